@@ -1,0 +1,18 @@
+//! hipkv: quantized KV-cache attention for decode, with dequantization inside the attention loop.
+//!
+//! Keys and values are stored in 16, 8, 4 or 2 bits ([`Scheme`]), appended token by token to a
+//! paged [`KvCache`], and attended over without ever staging a dequantized copy of the cache.
+
+pub mod backend;
+pub mod cache;
+pub mod error;
+pub mod quant;
+pub mod rope;
+pub mod scheme;
+pub mod synth;
+
+pub use cache::{CacheConfig, KvCache, Query};
+pub use error::{Error, Result};
+pub use quant::OutlierThresholds;
+pub use rope::{Rope, RopeLayout, RopeTable};
+pub use scheme::{ChannelGroup, Format, LowBits, Memory, Outliers, Scheme, Stream};

@@ -1,0 +1,231 @@
+//! Reference quantizers: the exact definition of every format's codes, against which the CPU
+//! attention and every kernel are checked.
+//!
+//! Inputs are f16 values (the cache rounds its f32 input to f16 first), computations are f32.
+//! Rounding is to nearest with ties away from zero (`f32::round`, C's `roundf`). Scales and
+//! minimums are rounded to f16 *before* the codes are computed, so codes are chosen against the
+//! parameters that dequantization will use. A constant group of an asymmetric format gets scale
+//! 0 and dequantizes exactly to its minimum; an all-zero group of a symmetric format gets scale 0.
+
+mod outliers;
+
+pub use outliers::{Outlier, OutlierThresholds, split_outliers};
+
+use half::f16;
+
+use crate::scheme::{Format, LowBits, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
+
+/// Reads a little-endian f16 at `off`.
+#[inline(always)]
+pub fn get_f16(bytes: &[u8], off: usize) -> f32 {
+    f16::from_le_bytes([bytes[off], bytes[off + 1]]).to_f32()
+}
+
+/// Writes a little-endian f16 at `off`.
+#[inline(always)]
+pub fn put_f16(bytes: &mut [u8], off: usize, v: f16) {
+    bytes[off..off + 2].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Scale and minimum of an asymmetric group spanning `[lo, hi]`, already rounded to f16.
+fn asym_params(lo: f32, hi: f32, bits: LowBits) -> (f32, f32) {
+    let scale = f16::from_f32((hi - lo) / f32::from(bits.max_code())).to_f32();
+    (scale, f16::from_f32(lo).to_f32())
+}
+
+/// The code of `x` in an asymmetric group.
+#[inline(always)]
+fn asym_code(x: f32, scale: f32, min: f32, bits: LowBits) -> u8 {
+    if scale == 0.0 {
+        return 0;
+    }
+    ((x - min) / scale)
+        .round()
+        .clamp(0.0, f32::from(bits.max_code())) as u8
+}
+
+/// The code of `x` in a symmetric int8 group.
+#[inline(always)]
+fn sym_code(x: f32, scale: f32) -> i8 {
+    if scale == 0.0 {
+        return 0;
+    }
+    (x / scale).round().clamp(-127.0, 127.0) as i8
+}
+
+/// Symmetric int8 scale for a group, rounded to f16.
+fn sym_scale(xs: &[f32]) -> f32 {
+    let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    f16::from_f32(amax / 127.0).to_f32()
+}
+
+/// Packs low-bit codes, element `j` at bit `bits * (j % codes_per_byte)` of byte
+/// `j / codes_per_byte` (low nibble first).
+pub fn pack_codes(codes: &[u8], bits: LowBits, out: &mut [u8]) {
+    let per = bits.codes_per_byte();
+    for (byte, chunk) in out.iter_mut().zip(codes.chunks(per)) {
+        *byte = chunk
+            .iter()
+            .enumerate()
+            .fold(0u8, |b, (i, &c)| b | (c << (i * bits.bits())));
+    }
+}
+
+/// The code of element `j` in a packed row.
+#[inline(always)]
+pub fn code_at(row: &[u8], bits: LowBits, j: usize) -> u8 {
+    let per = bits.codes_per_byte();
+    (row[j / per] >> ((j % per) * bits.bits())) & bits.max_code()
+}
+
+/// Unpacks `out.len()` low-bit codes.
+pub fn unpack_codes(row: &[u8], bits: LowBits, out: &mut [u8]) {
+    for (j, c) in out.iter_mut().enumerate() {
+        *c = code_at(row, bits, j);
+    }
+}
+
+/// Quantizes one token of one head in a per-token format (`F16`, `Q8`, `Q8_0`, `Tok`).
+///
+/// `row` receives `format.row_bytes(x.len())` bytes; `params` this token's parameters
+/// (`params_bytes(1, head_dim)` bytes).
+pub fn quantize_row(format: Format, x: &[f32], row: &mut [u8], params: &mut [u8]) {
+    let d = x.len();
+    match format {
+        Format::F16 => {
+            for (j, &v) in x.iter().enumerate() {
+                put_f16(row, 2 * j, f16::from_f32(v));
+            }
+        }
+        Format::Q8 => {
+            let scale = sym_scale(x);
+            put_f16(params, 0, f16::from_f32(scale));
+            for (r, &v) in row.iter_mut().zip(x) {
+                *r = sym_code(v, scale) as u8;
+            }
+        }
+        Format::Q8_0 => {
+            for (block, xs) in row
+                .chunks_exact_mut(Q8_0_BLOCK_BYTES)
+                .zip(x.chunks_exact(Q8_0_BLOCK))
+            {
+                let scale = sym_scale(xs);
+                put_f16(block, 0, f16::from_f32(scale));
+                for (r, &v) in block[2..].iter_mut().zip(xs) {
+                    *r = sym_code(v, scale) as u8;
+                }
+            }
+        }
+        Format::Tok { bits, group } => {
+            let g = group.size(d);
+            let mut codes = vec![0u8; d];
+            for (gi, xs) in x.chunks_exact(g).enumerate() {
+                let (lo, hi) = min_max(xs);
+                let (scale, min) = asym_params(lo, hi, bits);
+                put_f16(params, 4 * gi, f16::from_f32(scale));
+                put_f16(params, 4 * gi + 2, f16::from_f32(min));
+                for (c, &v) in codes[gi * g..].iter_mut().zip(xs) {
+                    *c = asym_code(v, scale, min, bits);
+                }
+            }
+            pack_codes(&codes, bits, row);
+        }
+        Format::Chan { .. } => unreachable!("per-channel formats quantize whole groups"),
+    }
+}
+
+/// Dequantizes one token of one head stored in a per-token format.
+pub fn dequantize_row(format: Format, row: &[u8], params: &[u8], out: &mut [f32]) {
+    let d = out.len();
+    match format {
+        Format::F16 => {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = get_f16(row, 2 * j);
+            }
+        }
+        Format::Q8 => {
+            let scale = get_f16(params, 0);
+            for (o, &r) in out.iter_mut().zip(row) {
+                *o = scale * f32::from(r as i8);
+            }
+        }
+        Format::Q8_0 => {
+            for (block, os) in row
+                .chunks_exact(Q8_0_BLOCK_BYTES)
+                .zip(out.chunks_exact_mut(Q8_0_BLOCK))
+            {
+                let scale = get_f16(block, 0);
+                for (o, &r) in os.iter_mut().zip(&block[2..]) {
+                    *o = scale * f32::from(r as i8);
+                }
+            }
+        }
+        Format::Tok { bits, group } => {
+            let g = group.size(d);
+            for (j, o) in out.iter_mut().enumerate() {
+                let gi = j / g;
+                let scale = get_f16(params, 4 * gi);
+                let min = get_f16(params, 4 * gi + 2);
+                *o = min + scale * f32::from(code_at(row, bits, j));
+            }
+        }
+        Format::Chan { .. } => unreachable!("use dequantize_chan_row"),
+    }
+}
+
+/// Quantizes a full group of `tokens` tokens of one head per channel (`Format::Chan`).
+///
+/// `x` is token-major (`tokens × head_dim`); `rows` receives `tokens` packed rows; `params`
+/// one `(f16 scale, f16 min)` pair per channel.
+pub fn quantize_chan(
+    bits: LowBits,
+    x: &[f32],
+    head_dim: usize,
+    rows: &mut [u8],
+    params: &mut [u8],
+) {
+    let tokens = x.len() / head_dim;
+    let row_bytes = head_dim / bits.codes_per_byte();
+    let mut scales = vec![(0.0f32, 0.0f32); head_dim];
+    for (c, sm) in scales.iter_mut().enumerate() {
+        let (lo, hi) = (0..tokens)
+            .map(|t| x[t * head_dim + c])
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            });
+        *sm = asym_params(lo, hi, bits);
+        put_f16(params, 4 * c, f16::from_f32(sm.0));
+        put_f16(params, 4 * c + 2, f16::from_f32(sm.1));
+    }
+    let mut codes = vec![0u8; head_dim];
+    for t in 0..tokens {
+        for (c, code) in codes.iter_mut().enumerate() {
+            let (scale, min) = scales[c];
+            *code = asym_code(x[t * head_dim + c], scale, min, bits);
+        }
+        pack_codes(&codes, bits, &mut rows[t * row_bytes..(t + 1) * row_bytes]);
+    }
+}
+
+/// Dequantizes one token of a per-channel group.
+pub fn dequantize_chan_row(bits: LowBits, row: &[u8], params: &[u8], out: &mut [f32]) {
+    for (c, o) in out.iter_mut().enumerate() {
+        *o = get_f16(params, 4 * c + 2) + get_f16(params, 4 * c) * f32::from(code_at(row, bits, c));
+    }
+}
+
+fn min_max(xs: &[f32]) -> (f32, f32) {
+    xs.iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        })
+}
+
+/// Rounds to f16 and back, the first step of every append.
+#[inline(always)]
+pub fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,743 @@
+//! KV formats, schemes and the memory math: the single Rust definition of every byte layout.
+//!
+//! A [`Scheme`] picks a [`Format`] for keys and one for values independently, plus the options
+//! that change what is stored: the token group (page) size, f16 attention sinks, pre-RoPE keys and
+//! the dense-and-sparse outlier store. Schemes parse from and print to strings such as `kivi2`,
+//! `q8_0` or `k=q2_chan,v=q4_tok@64,g=64,sinks=4,pre_rope,outliers`.
+//!
+//! Storage unit: a *page* holds `group_tokens` consecutive tokens of one layer for every KV head.
+//! Inside a page each head owns one contiguous [`HeadLayout`] block: the K stream then the V stream,
+//! each made of packed codes, quantization parameters, and (with outliers) per-token outlier counts
+//! and slots. Every section starts on a 16-byte boundary so kernels can use 128-bit loads.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// Alignment of every section inside a page, in bytes (one 128-bit load).
+pub const SECTION_ALIGN: usize = 16;
+/// Elements per llama.cpp `q8_0` block.
+pub const Q8_0_BLOCK: usize = 32;
+/// Bytes per llama.cpp `q8_0` block: an f16 scale then 32 int8 codes.
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+/// Head dimensions the cache and kernels support.
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Token group sizes (page sizes) a scheme may use.
+pub const GROUP_TOKENS: [usize; 2] = [32, 64];
+/// Channel group sizes a per-token low-bit format may use (besides the whole head).
+pub const CHANNEL_GROUPS: [usize; 3] = [32, 64, 128];
+/// Bytes of one outlier slot: a u16 channel index then the f16 value.
+pub const OUTLIER_SLOT_BYTES: usize = 4;
+/// Bytes of one per-token outlier count.
+pub const OUTLIER_COUNT_BYTES: usize = 2;
+
+/// Bit width of a low-bit asymmetric format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LowBits {
+    Two,
+    Four,
+}
+
+impl LowBits {
+    pub const fn bits(self) -> usize {
+        match self {
+            LowBits::Two => 2,
+            LowBits::Four => 4,
+        }
+    }
+
+    /// The largest code, `2^bits - 1`.
+    pub const fn max_code(self) -> u8 {
+        match self {
+            LowBits::Two => 3,
+            LowBits::Four => 15,
+        }
+    }
+
+    /// Codes packed into one byte.
+    pub const fn codes_per_byte(self) -> usize {
+        8 / self.bits()
+    }
+}
+
+/// Channels sharing one scale/minimum pair in a per-token format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChannelGroup {
+    /// A fixed number of consecutive channels (32, 64 or 128).
+    Channels(usize),
+    /// The whole head: one pair per token per head.
+    Head,
+}
+
+impl ChannelGroup {
+    /// Channels per group for a given head dimension.
+    pub fn size(self, head_dim: usize) -> usize {
+        match self {
+            ChannelGroup::Channels(n) => n.min(head_dim),
+            ChannelGroup::Head => head_dim,
+        }
+    }
+}
+
+/// How one stream (K or V) of one token-head is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// IEEE half precision, unquantized.
+    F16,
+    /// int8 symmetric, one f16 scale per token per head: `x = scale * q`, `q ∈ [-127, 127]`.
+    Q8,
+    /// llama.cpp `q8_0`: blocks of 32 channels, each `{f16 d; i8 qs[32]}` (34 bytes).
+    Q8_0,
+    /// Asymmetric per token, over groups of channels: `x = min + scale * q`, `q ∈ [0, 2^b - 1]`.
+    Tok { bits: LowBits, group: ChannelGroup },
+    /// Asymmetric per channel over the `group_tokens` tokens of a page (KIVI keys). The tokens of
+    /// a page that is not yet full stay f16 in the residual window.
+    Chan { bits: LowBits },
+}
+
+impl Format {
+    /// Nominal bits per element, not counting parameters.
+    pub fn nominal_bits(self) -> usize {
+        match self {
+            Format::F16 => 16,
+            Format::Q8 | Format::Q8_0 => 8,
+            Format::Tok { bits, .. } | Format::Chan { bits } => bits.bits(),
+        }
+    }
+
+    /// Whether tokens wait in the f16 residual window until their page is full.
+    pub fn is_grouped_by_tokens(self) -> bool {
+        matches!(self, Format::Chan { .. })
+    }
+
+    /// Bytes of the packed codes of one token of one head (f16 data for `F16`, whole blocks for
+    /// `Q8_0`).
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            Format::F16 => head_dim * 2,
+            Format::Q8 => head_dim,
+            Format::Q8_0 => head_dim / Q8_0_BLOCK * Q8_0_BLOCK_BYTES,
+            Format::Tok { bits, .. } | Format::Chan { bits } => head_dim / bits.codes_per_byte(),
+        }
+    }
+
+    /// Bytes of quantization parameters stored outside the rows, for one page of one head.
+    pub fn params_bytes(self, tokens: usize, head_dim: usize) -> usize {
+        match self {
+            Format::F16 | Format::Q8_0 => 0,
+            Format::Q8 => tokens * 2,
+            Format::Tok { group, .. } => tokens * (head_dim / group.size(head_dim)) * 4,
+            Format::Chan { .. } => head_dim * 4,
+        }
+    }
+
+    fn validate(self, head_dim: usize) -> Result<()> {
+        let ok = match self {
+            Format::Q8_0 => head_dim.is_multiple_of(Q8_0_BLOCK),
+            Format::Tok { group, .. } => head_dim.is_multiple_of(group.size(head_dim)),
+            _ => true,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(format!(
+                "format {self} with head_dim {head_dim}"
+            )))
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Format::F16 => f.write_str("f16"),
+            Format::Q8 => f.write_str("q8"),
+            Format::Q8_0 => f.write_str("q8_0"),
+            Format::Tok { bits, group } => {
+                write!(f, "q{}_tok", bits.bits())?;
+                match group {
+                    ChannelGroup::Channels(32) => Ok(()),
+                    ChannelGroup::Channels(n) => write!(f, "@{n}"),
+                    ChannelGroup::Head => f.write_str("@head"),
+                }
+            }
+            Format::Chan { bits } => write!(f, "q{}_chan", bits.bits()),
+        }
+    }
+}
+
+impl FromStr for Format {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::ParseScheme(format!("unknown format `{s}`"));
+        let (name, group) = match s.split_once('@') {
+            Some((name, group)) => (name, Some(group)),
+            None => (s, None),
+        };
+        let low = |b: &str| match b {
+            "2" => Ok(LowBits::Two),
+            "4" => Ok(LowBits::Four),
+            _ => Err(bad()),
+        };
+        let format = match name {
+            "f16" => Format::F16,
+            "q8" => Format::Q8,
+            "q8_0" => Format::Q8_0,
+            _ => {
+                let body = name.strip_prefix('q').ok_or_else(bad)?;
+                if let Some(b) = body.strip_suffix("_tok") {
+                    let group = match group {
+                        None => ChannelGroup::Channels(32),
+                        Some("head") => ChannelGroup::Head,
+                        Some(n) => {
+                            let n: usize = n.parse().map_err(|_| bad())?;
+                            if !CHANNEL_GROUPS.contains(&n) {
+                                return Err(Error::ParseScheme(format!(
+                                    "channel group {n} in `{s}`: expected one of {CHANNEL_GROUPS:?} or `head`"
+                                )));
+                            }
+                            ChannelGroup::Channels(n)
+                        }
+                    };
+                    return Ok(Format::Tok {
+                        bits: low(b)?,
+                        group,
+                    });
+                } else if let Some(b) = body.strip_suffix("_chan") {
+                    Format::Chan { bits: low(b)? }
+                } else {
+                    return Err(bad());
+                }
+            }
+        };
+        if group.is_some() {
+            return Err(Error::ParseScheme(format!(
+                "`@group` applies only to q*_tok formats, not `{s}`"
+            )));
+        }
+        Ok(format)
+    }
+}
+
+/// Which streams keep a dense-and-sparse outlier store.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Outliers {
+    /// Fraction of each channel's calibration samples treated as outliers, split evenly between
+    /// the highest and the lowest (0.01 = the 0.5% highest and 0.5% lowest).
+    pub fraction: f32,
+    /// Whether values get an outlier store too (keys always do).
+    pub values: bool,
+    /// Outlier slots per token per head; `None` derives `ceil(3 · fraction · head_dim)`.
+    pub capacity: Option<usize>,
+}
+
+impl Default for Outliers {
+    fn default() -> Self {
+        Outliers {
+            fraction: 0.01,
+            values: false,
+            capacity: None,
+        }
+    }
+}
+
+impl Outliers {
+    /// Outlier slots per token per head for a head dimension.
+    pub fn slots(&self, head_dim: usize) -> usize {
+        self.capacity
+            .unwrap_or_else(|| ((3.0 * self.fraction * head_dim as f32).ceil() as usize).max(1))
+    }
+}
+
+/// A complete KV storage scheme: key format, value format and the options around them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scheme {
+    pub k: Format,
+    pub v: Format,
+    /// Tokens per page, and per key group of a per-channel format (G).
+    pub group_tokens: usize,
+    /// The first `sinks` tokens of a sequence are kept f16 (attention sinks).
+    pub sinks: usize,
+    /// Keys are stored before RoPE and rotated inside attention (needs RoPE in the cache config).
+    pub pre_rope: bool,
+    /// Dense-and-sparse outlier store.
+    pub outliers: Option<Outliers>,
+}
+
+/// Named presets, in the order `hipkv info` and `hipkv bench` list them.
+pub const PRESETS: [&str; 7] = ["f16", "q8", "q8_0", "q4_tok", "q2_tok", "kivi4", "kivi2"];
+
+impl Scheme {
+    /// Both streams in the same format, default options.
+    pub const fn uniform(format: Format) -> Scheme {
+        Scheme::new(format, format)
+    }
+
+    /// Keys and values in the given formats, default options (G = 32, no sinks, no outliers).
+    pub const fn new(k: Format, v: Format) -> Scheme {
+        Scheme {
+            k,
+            v,
+            group_tokens: 32,
+            sinks: 0,
+            pre_rope: false,
+            outliers: None,
+        }
+    }
+
+    /// Every preset scheme.
+    pub fn presets() -> Vec<Scheme> {
+        PRESETS.iter().map(|p| p.parse().unwrap()).collect()
+    }
+
+    fn preset(name: &str) -> Option<Scheme> {
+        let tok = |bits| Format::Tok {
+            bits,
+            group: ChannelGroup::Channels(32),
+        };
+        let chan = |bits| Format::Chan { bits };
+        Some(match name {
+            "f16" => Scheme::uniform(Format::F16),
+            "q8" => Scheme::uniform(Format::Q8),
+            "q8_0" => Scheme::uniform(Format::Q8_0),
+            "q4_tok" => Scheme::uniform(tok(LowBits::Four)),
+            "q2_tok" => Scheme::uniform(tok(LowBits::Two)),
+            "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)),
+            "kivi2" => Scheme::new(chan(LowBits::Two), tok(LowBits::Two)),
+            _ => return None,
+        })
+    }
+
+    /// Checks the scheme against a head dimension (and whether the cache applies RoPE).
+    pub fn validate(&self, head_dim: usize, has_rope: bool) -> Result<()> {
+        if !HEAD_DIMS.contains(&head_dim) {
+            return Err(Error::Unsupported(format!(
+                "head_dim {head_dim}: expected one of {HEAD_DIMS:?}"
+            )));
+        }
+        if !GROUP_TOKENS.contains(&self.group_tokens) {
+            return Err(Error::Unsupported(format!(
+                "group of {} tokens: expected one of {GROUP_TOKENS:?}",
+                self.group_tokens
+            )));
+        }
+        self.k.validate(head_dim)?;
+        self.v.validate(head_dim)?;
+        if self.pre_rope && !has_rope {
+            return Err(Error::Unsupported(
+                "pre_rope needs RoPE configured in the cache".into(),
+            ));
+        }
+        if let Some(o) = self.outliers {
+            if !(o.fraction > 0.0 && o.fraction < 0.5) {
+                return Err(Error::Unsupported(format!(
+                    "outlier fraction {}: expected 0 < fraction < 0.5",
+                    o.fraction
+                )));
+            }
+            let slots = o.slots(head_dim);
+            if slots == 0 || slots > head_dim {
+                return Err(Error::Unsupported(format!(
+                    "{slots} outlier slots per token for head_dim {head_dim}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the given stream keeps an outlier store.
+    pub fn has_outliers(&self, stream: Stream) -> bool {
+        match (self.outliers, stream) {
+            (Some(_), Stream::K) => true,
+            (Some(o), Stream::V) => o.values,
+            (None, _) => false,
+        }
+    }
+
+    /// Format of a stream.
+    pub fn format(&self, stream: Stream) -> Format {
+        match stream {
+            Stream::K => self.k,
+            Stream::V => self.v,
+        }
+    }
+
+    /// Outlier slots per token per head of a stream (0 without an outlier store).
+    pub fn outlier_slots(&self, stream: Stream, head_dim: usize) -> usize {
+        match self.outliers {
+            Some(o) if self.has_outliers(stream) => o.slots(head_dim),
+            _ => 0,
+        }
+    }
+
+    /// Byte layout of one head's block inside a page.
+    pub fn head_layout(&self, head_dim: usize) -> HeadLayout {
+        let k = StreamLayout::new(
+            self.k,
+            self.group_tokens,
+            head_dim,
+            self.outlier_slots(Stream::K, head_dim),
+            0,
+        );
+        let v = StreamLayout::new(
+            self.v,
+            self.group_tokens,
+            head_dim,
+            self.outlier_slots(Stream::V, head_dim),
+            k.end,
+        );
+        HeadLayout { bytes: v.end, k, v }
+    }
+
+    /// Exact storage of one sequence of `capacity` tokens for one KV head, as the cache allocates
+    /// it: sinks, pages (with parameters and outlier slots) and the residual window.
+    pub fn memory(&self, head_dim: usize, capacity: usize) -> Memory {
+        let f16_row = head_dim * 2;
+        let sinks = self.sinks.min(capacity);
+        let pages = (capacity - sinks).div_ceil(self.group_tokens);
+        let layout = self.head_layout(head_dim);
+        let residual = |f: Format| {
+            if f.is_grouped_by_tokens() && pages > 0 {
+                self.group_tokens * f16_row
+            } else {
+                0
+            }
+        };
+        Memory {
+            capacity,
+            sink_bytes: 2 * sinks * f16_row,
+            page_bytes: pages * layout.bytes,
+            residual_bytes: residual(self.k) + residual(self.v),
+        }
+    }
+
+    /// Bytes read by attention per cached token per KV head, once the pages are full (K and V
+    /// with their parameters and outlier stores, without sinks or residual window).
+    pub fn bytes_per_token(&self, head_dim: usize) -> f64 {
+        self.head_layout(head_dim).bytes as f64 / self.group_tokens as f64
+    }
+}
+
+impl fmt::Display for Scheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let base = Scheme::new(self.k, self.v);
+        let name = PRESETS
+            .iter()
+            .find(|p| Scheme::preset(p) == Some(base))
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| format!("k={},v={}", self.k, self.v));
+        f.write_str(&name)?;
+        if self.group_tokens != 32 {
+            write!(f, ",g={}", self.group_tokens)?;
+        }
+        if self.sinks != 0 {
+            write!(f, ",sinks={}", self.sinks)?;
+        }
+        if self.pre_rope {
+            f.write_str(",pre_rope")?;
+        }
+        if let Some(o) = self.outliers {
+            f.write_str(if o.values {
+                ",outliers=kv"
+            } else {
+                ",outliers"
+            })?;
+            if o.fraction != Outliers::default().fraction {
+                write!(f, ",outlier_frac={}", o.fraction)?;
+            }
+            if let Some(c) = o.capacity {
+                write!(f, ",outlier_slots={c}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for Scheme {
+    type Err = Error;
+
+    /// Parses `preset[,option…]` or `k=FMT,v=FMT[,option…]`. Options: `g=32|64`, `sinks=N`,
+    /// `pre_rope`, `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`.
+    fn from_str(s: &str) -> Result<Self> {
+        let mut k = None;
+        let mut v = None;
+        let mut scheme = Scheme::uniform(Format::F16);
+        let mut outliers: Option<Outliers> = None;
+        let mut outlier_frac = None;
+        let mut outlier_slots = None;
+        let num = |key: &str, val: &str| -> Result<usize> {
+            val.parse()
+                .map_err(|_| Error::ParseScheme(format!("`{key}={val}`: expected an integer")))
+        };
+        for (i, item) in s.split(',').map(str::trim).enumerate() {
+            let (key, val) = match item.split_once('=') {
+                Some((key, val)) => (key, Some(val)),
+                None => (item, None),
+            };
+            match (key, val) {
+                (name, None) if i == 0 && Scheme::preset(name).is_some() => {
+                    let p = Scheme::preset(name).unwrap();
+                    k = Some(p.k);
+                    v = Some(p.v);
+                }
+                ("k", Some(f)) => k = Some(f.parse()?),
+                ("v", Some(f)) => v = Some(f.parse()?),
+                ("g", Some(n)) => scheme.group_tokens = num(key, n)?,
+                ("sinks", Some(n)) => scheme.sinks = num(key, n)?,
+                ("pre_rope", None) => scheme.pre_rope = true,
+                ("outliers", None | Some("k")) => outliers = Some(Outliers::default()),
+                ("outliers", Some("kv")) => {
+                    outliers = Some(Outliers {
+                        values: true,
+                        ..Outliers::default()
+                    })
+                }
+                ("outlier_frac", Some(f)) => {
+                    outlier_frac =
+                        Some(f.parse::<f32>().map_err(|_| {
+                            Error::ParseScheme(format!("`{item}`: expected a number"))
+                        })?)
+                }
+                ("outlier_slots", Some(n)) => outlier_slots = Some(num(key, n)?),
+                _ => {
+                    return Err(Error::ParseScheme(format!(
+                        "unknown item `{item}` in `{s}` (presets: {})",
+                        PRESETS.join(", ")
+                    )));
+                }
+            }
+        }
+        let (Some(k), Some(v)) = (k, v) else {
+            return Err(Error::ParseScheme(format!(
+                "`{s}` names no preset and not both `k=` and `v=`"
+            )));
+        };
+        scheme.k = k;
+        scheme.v = v;
+        if !GROUP_TOKENS.contains(&scheme.group_tokens) {
+            return Err(Error::ParseScheme(format!(
+                "g={}: expected one of {GROUP_TOKENS:?}",
+                scheme.group_tokens
+            )));
+        }
+        if outliers.is_none() && (outlier_frac.is_some() || outlier_slots.is_some()) {
+            return Err(Error::ParseScheme(format!(
+                "`{s}`: outlier options need `outliers`"
+            )));
+        }
+        scheme.outliers = outliers.map(|o| Outliers {
+            fraction: outlier_frac.unwrap_or(o.fraction),
+            capacity: outlier_slots,
+            ..o
+        });
+        Ok(scheme)
+    }
+}
+
+/// The key or the value stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stream {
+    K,
+    V,
+}
+
+impl fmt::Display for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Stream::K => "key",
+            Stream::V => "value",
+        })
+    }
+}
+
+/// Offsets (from the start of the head block) of one stream's sections in a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamLayout {
+    pub format: Format,
+    /// Packed rows, token-major: `tokens × row_bytes`.
+    pub rows: usize,
+    pub row_bytes: usize,
+    /// Quantization parameters (scales, minimums).
+    pub params: usize,
+    /// Per-token outlier counts (u16); equal to `slots` when there is no outlier store.
+    pub counts: usize,
+    /// Outlier slots `{u16 channel, f16 value}`, `outlier_slots` per token.
+    pub slots: usize,
+    pub outlier_slots: usize,
+    /// One past the end of the stream's last section.
+    pub end: usize,
+}
+
+impl StreamLayout {
+    fn new(
+        format: Format,
+        tokens: usize,
+        head_dim: usize,
+        outlier_slots: usize,
+        start: usize,
+    ) -> StreamLayout {
+        let align = |n: usize| n.next_multiple_of(SECTION_ALIGN);
+        let row_bytes = format.row_bytes(head_dim);
+        let rows = start;
+        let params = rows + align(tokens * row_bytes);
+        let counts = params + align(format.params_bytes(tokens, head_dim));
+        let (slots, end) = if outlier_slots == 0 {
+            (counts, counts)
+        } else {
+            let slots = counts + align(tokens * OUTLIER_COUNT_BYTES);
+            (
+                slots,
+                slots + align(tokens * outlier_slots * OUTLIER_SLOT_BYTES),
+            )
+        };
+        StreamLayout {
+            format,
+            rows,
+            row_bytes,
+            params,
+            counts,
+            slots,
+            outlier_slots,
+            end,
+        }
+    }
+}
+
+/// Byte layout of one KV head's block in a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadLayout {
+    pub k: StreamLayout,
+    pub v: StreamLayout,
+    /// Bytes of the whole head block; a page is `kv_heads × bytes`.
+    pub bytes: usize,
+}
+
+impl HeadLayout {
+    pub fn stream(&self, stream: Stream) -> &StreamLayout {
+        match stream {
+            Stream::K => &self.k,
+            Stream::V => &self.v,
+        }
+    }
+}
+
+/// Storage of one sequence for one KV head of one layer (see [`Scheme::memory`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Memory {
+    pub capacity: usize,
+    pub sink_bytes: usize,
+    pub page_bytes: usize,
+    pub residual_bytes: usize,
+}
+
+impl Memory {
+    pub fn total(&self) -> usize {
+        self.sink_bytes + self.page_bytes + self.residual_bytes
+    }
+
+    /// Bytes per token, everything included, amortised over the capacity.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.total() as f64 / self.capacity.max(1) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_round_trip_through_strings() {
+        for name in PRESETS {
+            let s: Scheme = name.parse().unwrap();
+            assert_eq!(s.to_string(), name);
+        }
+    }
+
+    #[test]
+    fn options_round_trip_through_strings() {
+        for text in [
+            "kivi2,g=64,sinks=4,pre_rope,outliers",
+            "k=q4_chan,v=q8_0,outliers=kv,outlier_frac=0.02,outlier_slots=3",
+            "k=q2_tok@head,v=q4_tok@128",
+            "k=f16,v=q2_chan,sinks=1",
+        ] {
+            let s: Scheme = text.parse().unwrap();
+            assert_eq!(s.to_string(), text);
+            assert_eq!(s.to_string().parse::<Scheme>().unwrap(), s);
+        }
+        let explicit: Scheme = "k=q2_chan,v=q2_tok@32".parse().unwrap();
+        assert_eq!(explicit.to_string(), "kivi2");
+    }
+
+    #[test]
+    fn bad_strings_are_rejected_with_a_reason() {
+        for text in [
+            "q3_tok",
+            "k=q8",
+            "kivi2,g=16",
+            "q8,outlier_frac=0.1",
+            "k=q4_tok@48,v=f16",
+            "k=q8@32,v=f16",
+            "q8,sinks=-1",
+            "q8,q8",
+        ] {
+            assert!(
+                matches!(text.parse::<Scheme>(), Err(Error::ParseScheme(_))),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn q8_0_block_matches_llama_cpp() {
+        assert_eq!(Format::Q8_0.row_bytes(128), 4 * 34);
+    }
+
+    #[test]
+    fn sections_are_aligned_for_wide_loads() {
+        for name in PRESETS {
+            let mut s: Scheme = name.parse().unwrap();
+            s.outliers = Some(Outliers {
+                values: true,
+                ..Outliers::default()
+            });
+            for d in HEAD_DIMS {
+                let l = s.head_layout(d);
+                for st in [l.k, l.v] {
+                    for off in [st.rows, st.params, st.counts, st.slots, st.end] {
+                        assert_eq!(off % SECTION_ALIGN, 0, "{s} d={d}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_per_token_of_presets() {
+        // head_dim 128, G = 32: K and V rows plus parameters, per token per KV head.
+        let expect = [
+            ("f16", 512.0),
+            ("q8", 256.0 + 4.0),
+            ("q8_0", 2.0 * 136.0),
+            ("q4_tok", 2.0 * (64.0 + 16.0)),
+            ("q2_tok", 2.0 * (32.0 + 16.0)),
+            ("kivi4", 64.0 + 512.0 / 32.0 + 64.0 + 16.0),
+            ("kivi2", 32.0 + 512.0 / 32.0 + 32.0 + 16.0),
+        ];
+        for (name, bytes) in expect {
+            let s: Scheme = name.parse().unwrap();
+            assert_eq!(s.bytes_per_token(128), bytes, "{name}");
+        }
+    }
+
+    #[test]
+    fn memory_counts_sinks_and_residual_window() {
+        let s: Scheme = "kivi2,sinks=4".parse().unwrap();
+        let m = s.memory(64, 100);
+        assert_eq!(m.sink_bytes, 2 * 4 * 128);
+        assert_eq!(m.page_bytes, 3 * s.head_layout(64).bytes);
+        assert_eq!(m.residual_bytes, 32 * 128);
+    }
+}

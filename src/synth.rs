@@ -1,0 +1,65 @@
+//! Deterministic synthetic K/V/Q data for tests, benchmarks and `hipkv bench`: Gaussian noise from
+//! a seeded SplitMix64, optionally with a few large-magnitude key channels, as real models have.
+
+/// A small, seeded, reproducible random source.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Uniform integer in `[0, n)`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f32 {
+        let u1 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        ((-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
+
+    /// `n` standard normal values.
+    pub fn normals(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.normal()).collect()
+    }
+}
+
+/// Keys shaped like a real model's: unit Gaussian noise plus, in `outlier_channels` fixed channels
+/// of every head, a large per-channel offset and spread (`magnitude` times larger).
+pub fn keys_with_outlier_channels(
+    rng: &mut Rng,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    outlier_channels: usize,
+    magnitude: f32,
+) -> Vec<f32> {
+    let big: Vec<usize> = (0..outlier_channels)
+        .map(|i| (i * 37 + 5) % head_dim)
+        .collect();
+    let mut k = rng.normals(tokens * heads * head_dim);
+    for token in k.chunks_exact_mut(head_dim) {
+        for (i, &c) in big.iter().enumerate() {
+            let sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+            token[c] = sign * magnitude * (1.0 + 0.25 * token[c]);
+        }
+    }
+    k
+}

@@ -1,0 +1,132 @@
+//! CPU decode attention against the naive reference, for every scheme and shape.
+
+mod common;
+
+use common::{config, fill, naive_attend, rel_err, with_rope};
+use hipkv::scheme::PRESETS;
+use hipkv::synth::Rng;
+use hipkv::{KvCache, RopeLayout};
+
+/// Attention equals the naive f64 reference over the dequantized cache within 1e-5 of each
+/// output row's largest element: the math is identical up to summation order and the
+/// `log2(e)` folding of the softmax.
+const TOLERANCE: f32 = 1e-5;
+
+fn check(cfg: hipkv::CacheConfig, len: usize, chunk: usize, q_len: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let mut cache = KvCache::new(cfg).unwrap();
+    fill(&mut cache, 0, len, chunk, &mut rng);
+    let q = rng.normals(q_len * cfg.q_heads * cfg.head_dim);
+    let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+    let mut out = vec![0f32; q.len()];
+    cache.attend(0, 0, &q, scale, &mut out).unwrap();
+    let want = naive_attend(&cache, 0, &q, scale);
+    for (row, (g, w)) in out
+        .chunks_exact(cfg.head_dim)
+        .zip(want.chunks_exact(cfg.head_dim))
+        .enumerate()
+    {
+        let e = rel_err(g, w);
+        assert!(
+            e <= TOLERANCE,
+            "{} d={} gqa={} len={len} q_len={q_len} row {row}: rel err {e}",
+            cfg.scheme,
+            cfg.head_dim,
+            cfg.gqa()
+        );
+    }
+}
+
+#[test]
+fn every_preset_matches_the_reference() {
+    for (i, scheme) in PRESETS.iter().enumerate() {
+        for (len, q_len) in [(1, 1), (31, 1), (32, 1), (77, 3), (300, 1)] {
+            check(config(scheme, 2, 4, 64, 320), len, 7, q_len, i as u64);
+        }
+    }
+}
+
+#[test]
+fn head_dims_and_gqa_ratios() {
+    for d in [64, 128, 256] {
+        for gqa in [1, 4, 8, 16] {
+            check(
+                config("kivi4", 1, gqa, d, 128),
+                70,
+                16,
+                2,
+                d as u64 + gqa as u64,
+            );
+            check(config("q8_0", 2, gqa, d, 128), 45, 45, 1, 3);
+        }
+    }
+}
+
+#[test]
+fn options_sinks_groups_outliers_and_rope() {
+    for scheme in [
+        "kivi2,sinks=4",
+        "kivi2,g=64",
+        "kivi2,outliers",
+        "k=q2_chan,v=q2_tok,outliers=kv,outlier_slots=1",
+        "q4_tok,outliers=kv,sinks=3",
+        "k=q4_tok@head,v=q2_tok@64",
+        "k=q8,v=q2_chan",
+        "k=f16,v=q8_0,sinks=40",
+    ] {
+        for (len, q_len) in [(3, 1), (50, 5), (200, 1)] {
+            check(config(scheme, 2, 2, 128, 256), len, 9, q_len, 11);
+        }
+    }
+    for layout in [RopeLayout::Interleaved, RopeLayout::Halves] {
+        for scheme in [
+            "f16",
+            "kivi2",
+            "kivi2,pre_rope",
+            "kivi4,pre_rope,outliers,sinks=2",
+        ] {
+            check(
+                with_rope(config(scheme, 1, 3, 64, 200), layout),
+                150,
+                20,
+                4,
+                5,
+            );
+        }
+    }
+}
+
+#[test]
+fn long_context_uses_many_splits() {
+    check(config("kivi4", 2, 4, 64, 4096), 4000, 512, 1, 9);
+    check(config("q8", 1, 1, 128, 2100), 2083, 1000, 2, 10);
+}
+
+/// Several sequences of different lengths in one batched call, each equal to its own reference.
+#[test]
+fn batched_sequences_of_different_lengths() {
+    let mut cfg = config("kivi2,sinks=2", 2, 4, 64, 300);
+    cfg.sequences = 3;
+    let mut cache = KvCache::new(cfg).unwrap();
+    let mut rng = Rng::new(4);
+    let lens = [5, 290, 64];
+    for (s, &len) in lens.iter().enumerate() {
+        fill(&mut cache, s, len, 13, &mut rng);
+    }
+    let width = cfg.q_heads * cfg.head_dim;
+    let qs: Vec<Vec<f32>> = lens.iter().map(|_| rng.normals(width)).collect();
+    let mut outs = vec![vec![0f32; width]; 3];
+    let mut queries: Vec<hipkv::Query> = outs
+        .iter_mut()
+        .zip(&qs)
+        .enumerate()
+        .map(|(seq, (out, q))| hipkv::Query { seq, q, out })
+        .collect();
+    cache.attend_many(0, &mut queries, 0.125).unwrap();
+    for (s, (out, q)) in outs.iter().zip(&qs).enumerate() {
+        assert!(
+            rel_err(out, &naive_attend(&cache, s, q, 0.125)) <= TOLERANCE,
+            "seq {s}"
+        );
+    }
+}

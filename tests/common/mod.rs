@@ -1,0 +1,118 @@
+//! Shared helpers of the integration tests: cache construction and the naive reference attention.
+#![allow(dead_code)]
+
+use hipkv::synth::Rng;
+use hipkv::{CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
+
+pub fn config(
+    scheme: &str,
+    kv_heads: usize,
+    gqa: usize,
+    head_dim: usize,
+    capacity: usize,
+) -> CacheConfig {
+    CacheConfig {
+        layers: 1,
+        sequences: 1,
+        kv_heads,
+        q_heads: kv_heads * gqa,
+        head_dim,
+        capacity,
+        scheme: scheme.parse::<Scheme>().unwrap(),
+        rope: None,
+    }
+}
+
+pub fn with_rope(mut c: CacheConfig, layout: RopeLayout) -> CacheConfig {
+    c.rope = Some(Rope {
+        base: 10000.0,
+        layout,
+    });
+    c
+}
+
+/// Fills sequence `seq` of layer 0 with `len` random tokens appended in chunks of `chunk`,
+/// calibrating outlier thresholds from the data first when the scheme needs them.
+pub fn fill(
+    cache: &mut KvCache,
+    seq: usize,
+    len: usize,
+    chunk: usize,
+    rng: &mut Rng,
+) -> (Vec<f32>, Vec<f32>) {
+    let c = *cache.config();
+    let width = c.kv_heads * c.head_dim;
+    let k = hipkv::synth::keys_with_outlier_channels(rng, len, c.kv_heads, c.head_dim, 2, 6.0);
+    let v = rng.normals(len * width);
+    if c.scheme.outliers.is_some() && len > 0 {
+        cache.calibrate_outliers(0, &k, &v, 0).unwrap();
+    }
+    for start in (0..len).step_by(chunk.max(1)) {
+        let end = (start + chunk).min(len);
+        cache
+            .append(
+                0,
+                seq,
+                &k[start * width..end * width],
+                &v[start * width..end * width],
+            )
+            .unwrap();
+    }
+    (k, v)
+}
+
+/// Naive attention over the dequantized cache: f64 softmax of `scale · q·k` over every key up to
+/// the query's position. `q` is unrotated; it is rotated here exactly as the cache rotates it.
+pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f32> {
+    let c = *cache.config();
+    let (h, d, r) = (c.kv_heads, c.head_dim, c.gqa());
+    let (k, v) = cache.read_back(0, seq).unwrap();
+    let len = cache.len(0, seq).unwrap();
+    let width = c.q_heads * d;
+    let q_len = q.len() / width;
+    let table = c.rope.map(|rope| RopeTable::new(rope, d, c.capacity));
+    let mut out = vec![0f32; q.len()];
+    for t in 0..q_len {
+        let pos = len - q_len + t;
+        for qh in 0..c.q_heads {
+            let kh = qh / r;
+            let mut qv = q[t * width + qh * d..][..d].to_vec();
+            if let Some(table) = &table {
+                table.rotate(&mut qv, pos);
+            }
+            let logits: Vec<f64> = (0..=pos)
+                .map(|p| {
+                    let kv = &k[(p * h + kh) * d..][..d];
+                    f64::from(scale)
+                        * qv.iter()
+                            .zip(kv)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            for ch in 0..d {
+                let acc: f64 = (0..=pos)
+                    .map(|p| w[p] * f64::from(v[(p * h + kh) * d + ch]))
+                    .sum();
+                out[t * width + qh * d + ch] = (acc / sum) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// Largest element-wise difference, relative to the largest magnitude of `want`.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
