@@ -1,6 +1,9 @@
 //! Deterministic synthetic K/V/Q data for tests, benchmarks and `hipkv bench`: Gaussian noise from
 //! a seeded SplitMix64, optionally with a few large-magnitude key channels, as real models have.
 
+use crate::cache::KvCache;
+use crate::error::Result;
+
 /// A small, seeded, reproducible random source.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
@@ -62,4 +65,71 @@ pub fn keys_with_outlier_channels(
         }
     }
     k
+}
+
+/// A block of synthetic tokens (keys with two outlier channels, Gaussian values) appended
+/// cyclically to fill caches quickly: generating fresh Gaussians for every token of a long
+/// benchmark cache would cost more than quantizing them.
+#[derive(Clone, Debug)]
+pub struct TokenPool {
+    /// `tokens × kv_heads × head_dim`.
+    k: Vec<f32>,
+    /// Same shape as `k`.
+    v: Vec<f32>,
+    tokens: usize,
+    width: usize,
+}
+
+impl TokenPool {
+    /// A pool of `tokens` (at least one) tokens of `kv_heads × head_dim` per stream.
+    pub fn new(rng: &mut Rng, tokens: usize, kv_heads: usize, head_dim: usize) -> TokenPool {
+        let tokens = tokens.max(1);
+        let k = keys_with_outlier_channels(rng, tokens, kv_heads, head_dim, 2, 6.0);
+        let v = rng.normals(tokens * kv_heads * head_dim);
+        TokenPool {
+            k,
+            v,
+            tokens,
+            width: kv_heads * head_dim,
+        }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The first `n` tokens (at most all of them) as `(keys, values)`, e.g. for calibration.
+    pub fn first(&self, n: usize) -> (&[f32], &[f32]) {
+        let end = n.min(self.tokens()) * self.width;
+        (&self.k[..end], &self.v[..end])
+    }
+
+    /// Appends `len` tokens to `seq` of `layer` in chunks of `chunk` tokens, reading the pool
+    /// cyclically from token `offset`; wraps to the pool's start at each chunk that would
+    /// run past its end.
+    pub fn fill(
+        &self,
+        cache: &mut KvCache,
+        layer: usize,
+        seq: usize,
+        len: usize,
+        chunk: usize,
+        offset: usize,
+    ) -> Result<()> {
+        let pool = self.tokens();
+        let chunk = chunk.clamp(1, pool);
+        let mut at = offset % pool;
+        let mut done = 0;
+        while done < len {
+            let n = chunk.min(len - done);
+            if at + n > pool {
+                at = 0;
+            }
+            let rows = at * self.width..(at + n) * self.width;
+            cache.append(layer, seq, &self.k[rows.clone()], &self.v[rows])?;
+            done += n;
+            at += n;
+        }
+        Ok(())
+    }
 }
