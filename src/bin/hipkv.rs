@@ -1,0 +1,478 @@
+//! `hipkv`: which backends this build can run and what each scheme stores (`info`), and how fast
+//! decode attention reads each scheme's cache compared with memcpy (`bench`).
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use serde::Serialize;
+
+use hipkv::scheme::PRESETS;
+use hipkv::synth::{Rng, TokenPool};
+use hipkv::{CacheConfig, Format, KvCache, Rope, RopeLayout, Scheme, Stream};
+
+/// Each bench row rotates over sequences holding more than this many bytes, four times the
+/// 32 MiB L3 of the development machines, so steps read DRAM rather than cache.
+const WORKING_SET: usize = 128 << 20;
+/// Tokens per `append` call while filling, as a prefill chunk would arrive.
+const CHUNK: usize = 512;
+/// Synthetic tokens generated once and appended cyclically.
+const POOL_TOKENS: usize = 4 * CHUNK;
+const MIN_STEPS: usize = 5;
+const MEMCPY_BYTES: usize = 256 << 20;
+const MEMCPY_RUNS: usize = 5;
+/// Small enough that every thread gets many chunks, large enough to amortise rayon's overhead.
+const MEMCPY_CHUNK: usize = 1 << 20;
+
+#[derive(Parser)]
+#[command(
+    name = "hipkv",
+    version,
+    about = "Quantized KV-cache attention for decode"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the backends this build can run and the memory each scheme takes.
+    Info(InfoArgs),
+    /// Time single-token decode attention per scheme and context, against memcpy bandwidth.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct InfoArgs {
+    /// Head dimension for the memory table.
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Schemes separated by `;` (a scheme may contain commas) [default: every preset]
+    #[arg(long)]
+    schemes: Option<String>,
+    /// Context lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096,16384,32768")]
+    contexts: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Query heads per KV head.
+    #[arg(long, default_value_t = 4)]
+    gqa: usize,
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    /// Seconds to time each scheme and context (and at least 5 steps).
+    #[arg(long, default_value_t = 0.5, value_parser = seconds)]
+    min_time: f64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a non-negative number of seconds")),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Hipkv(#[from] hipkv::Error),
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot write JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info(args) => info(&args),
+        Command::Bench(args) => bench(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The arithmetic the CPU backend dispatches to on this machine (the same test it makes).
+fn cpu_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            return "AVX2+FMA+F16C";
+        }
+    }
+    "portable"
+}
+
+fn info(args: &InfoArgs) -> Result<(), CliError> {
+    let d = args.head_dim;
+    let names: Vec<String> = PRESETS
+        .iter()
+        .map(|p| p.to_string())
+        .chain(["kivi2,outliers".into(), "kivi2,pre_rope".into()])
+        .collect();
+    let schemes = names
+        .iter()
+        .map(|n| {
+            let s: Scheme = n.parse()?;
+            // RoPE is assumed configured: pre_rope's memory is what matters here.
+            s.validate(d, true)?;
+            Ok(s)
+        })
+        .collect::<Result<Vec<_>, CliError>>()?;
+
+    let cpu = match cpu_kernels() {
+        "portable" => "portable kernels (AVX2/FMA/F16C not detected)".to_string(),
+        k => format!("{k} kernels"),
+    };
+    println!("hipkv {}\n", env!("CARGO_PKG_VERSION"));
+    println!("backends");
+    println!(
+        "  cpu  available    {cpu}, {} threads",
+        rayon::current_num_threads()
+    );
+    println!(
+        "  hip  unavailable  this build has no HIP kernels yet (built without a HIP compiler)"
+    );
+    println!("  emu  unavailable  this build has no SIMT emulator yet (hip/emu is not built)");
+
+    let f16_bytes = Scheme::uniform(Format::F16).bytes_per_token(d);
+    let w = names.iter().map(String::len).max().unwrap_or(0).max(6);
+    println!("\nschemes at head_dim {d}: bytes per token per KV head, K and V together");
+    println!(
+        "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11}  {:>9}  {:>7}",
+        "scheme", "K", "V", "K bits", "V bits", "bytes/token", "bits/elem", "vs f16"
+    );
+    for s in &schemes {
+        let bytes = s.bytes_per_token(d);
+        println!(
+            "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11.1}  {:>9.2}  {:>6.2}×",
+            s.to_string(),
+            s.k.to_string(),
+            s.v.to_string(),
+            s.k.nominal_bits(),
+            s.v.nominal_bits(),
+            bytes,
+            bytes * 8.0 / (2 * d) as f64,
+            f16_bytes / bytes,
+        );
+    }
+    let outlier_slots = schemes
+        .iter()
+        .find(|s| s.outliers.is_some())
+        .map_or(0, |s| s.outlier_slots(Stream::K, d));
+    println!(
+        "\nbytes/token counts codes, scales, minimums and outlier stores of full pages of 32 tokens.\n\
+         outliers: ~1% of key elements kept exact in a sparse store ({outlier_slots} slots per token).\n\
+         pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
+         q*_chan keys also keep an f16 residual page (32 tokens) per sequence and KV head."
+    );
+    Ok(())
+}
+
+/// Model shape of a bench run.
+#[derive(Clone, Copy, Serialize)]
+struct Shape {
+    kv_heads: usize,
+    gqa: usize,
+    q_heads: usize,
+    head_dim: usize,
+}
+
+impl Shape {
+    fn config(&self, scheme: Scheme, sequences: usize, capacity: usize) -> CacheConfig {
+        CacheConfig {
+            layers: 1,
+            sequences,
+            kv_heads: self.kv_heads,
+            q_heads: self.q_heads,
+            head_dim: self.head_dim,
+            capacity,
+            scheme,
+            // A Llama-like model: RoPE on, so `pre_rope` schemes run as they would in one.
+            rope: Some(Rope {
+                base: 10000.0,
+                layout: RopeLayout::Interleaved,
+            }),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Memcpy {
+    bytes: usize,
+    threads: usize,
+    runs: usize,
+    /// Bytes read per second by the best run; as many bytes are written.
+    read_gb_per_s: f64,
+}
+
+#[derive(Serialize)]
+struct Row {
+    scheme: String,
+    context: usize,
+    sequences: usize,
+    us_per_step: f64,
+    gb_per_s: f64,
+    pct_of_memcpy: f64,
+    bytes_per_step: usize,
+    speedup_vs_q8: Option<f64>,
+    speedup_vs_f16: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    shape: Shape,
+    cpu_kernels: &'static str,
+    min_time_s: f64,
+    memcpy: Memcpy,
+    rows: Vec<Row>,
+}
+
+fn bench(args: &BenchArgs) -> Result<(), CliError> {
+    let schemes = match &args.schemes {
+        None => Scheme::presets(),
+        Some(list) => list
+            .split(';')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::parse)
+            .collect::<hipkv::Result<Vec<Scheme>>>()?,
+    };
+    if schemes.is_empty() {
+        return Err(CliError::Usage("--schemes names no scheme".into()));
+    }
+    if args.contexts.contains(&0) {
+        return Err(CliError::Usage("contexts must be positive".into()));
+    }
+    let shape = Shape {
+        kv_heads: args.kv_heads,
+        gqa: args.gqa,
+        q_heads: args.kv_heads * args.gqa,
+        head_dim: args.head_dim,
+    };
+    // A one-token cache per scheme checks shape and scheme before any long measurement.
+    for &s in &schemes {
+        KvCache::new(shape.config(s, 1, 1))?;
+    }
+
+    let progress = ProgressBar::new((schemes.len() * args.contexts.len()) as u64).with_style(
+        ProgressStyle::with_template("{spinner} [{elapsed}] {bar:30} {pos}/{len} {msg}")
+            .expect("constant template"),
+    );
+    progress.enable_steady_tick(Duration::from_millis(200));
+    progress.set_message("memcpy baseline");
+    let memcpy = measure_memcpy();
+
+    let pool = TokenPool::new(
+        &mut Rng::new(1),
+        POOL_TOKENS,
+        shape.kv_heads,
+        shape.head_dim,
+    );
+    let mut rows = Vec::new();
+    for &context in &args.contexts {
+        let first = rows.len();
+        for &scheme in &schemes {
+            rows.push(bench_row(
+                shape,
+                scheme,
+                context,
+                args.min_time,
+                &pool,
+                &memcpy,
+                &progress,
+            )?);
+            progress.inc(1);
+        }
+        set_speedups(&mut rows[first..]);
+    }
+    progress.finish_and_clear();
+
+    let report = Report {
+        shape,
+        cpu_kernels: cpu_kernels(),
+        min_time_s: args.min_time,
+        memcpy,
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// Copies a buffer far larger than the caches with every core; the best of a few runs is the
+/// bandwidth attention is compared with.
+fn measure_memcpy() -> Memcpy {
+    let src = vec![1u8; MEMCPY_BYTES];
+    let mut dst = vec![0u8; MEMCPY_BYTES];
+    let mut best = f64::INFINITY;
+    // Run 0 only faults in `dst`'s pages.
+    for run in 0..=MEMCPY_RUNS {
+        let start = Instant::now();
+        dst.par_chunks_mut(MEMCPY_CHUNK)
+            .zip(src.par_chunks(MEMCPY_CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        let t = start.elapsed().as_secs_f64();
+        black_box(&dst);
+        if run > 0 {
+            best = best.min(t);
+        }
+    }
+    Memcpy {
+        bytes: MEMCPY_BYTES,
+        threads: rayon::current_num_threads(),
+        runs: MEMCPY_RUNS,
+        read_gb_per_s: MEMCPY_BYTES as f64 / best / 1e9,
+    }
+}
+
+fn bench_row(
+    shape: Shape,
+    scheme: Scheme,
+    context: usize,
+    min_time: f64,
+    pool: &TokenPool,
+    memcpy: &Memcpy,
+    progress: &ProgressBar,
+) -> Result<Row, CliError> {
+    let seq_bytes = shape.kv_heads * scheme.memory(shape.head_dim, context).total();
+    let sequences = WORKING_SET / seq_bytes.max(1) + 1;
+    let mut cache = KvCache::new(shape.config(scheme, sequences, context))?;
+    if scheme.outliers.is_some() {
+        let (k, v) = pool.first(context);
+        cache.calibrate_outliers(0, k, v, 0)?;
+    }
+    for seq in 0..sequences {
+        progress.set_message(format!(
+            "{scheme} @ {context}: filling sequence {}/{sequences}",
+            seq + 1
+        ));
+        // Each sequence starts elsewhere in the pool so sequences do not hold identical data.
+        pool.fill(&mut cache, 0, seq, context, CHUNK, seq * CHUNK)?;
+    }
+
+    progress.set_message(format!("{scheme} @ {context}: timing"));
+    let q = Rng::new(2).normals(shape.q_heads * shape.head_dim);
+    let mut out = vec![0f32; q.len()];
+    let scale = 1.0 / (shape.head_dim as f32).sqrt();
+    // One untimed rotation: the first touch of each page and the thread pool's wake-up.
+    for seq in 0..sequences {
+        cache.attend(0, seq, &q, scale, &mut out)?;
+    }
+    let mut steps = Vec::new();
+    let start = Instant::now();
+    while steps.len() < MIN_STEPS || start.elapsed().as_secs_f64() < min_time {
+        let seq = steps.len() % sequences;
+        let t = Instant::now();
+        cache.attend(0, seq, black_box(&q), scale, &mut out)?;
+        steps.push(t.elapsed().as_secs_f64());
+        black_box(&out);
+    }
+    steps.sort_by(f64::total_cmp);
+    let median = steps[steps.len() / 2];
+    // Every sequence holds `context` tokens, so every step reads the same bytes.
+    let bytes = cache.bytes_read(0, 0)?;
+    let gb_per_s = bytes as f64 / median / 1e9;
+    Ok(Row {
+        scheme: scheme.to_string(),
+        context,
+        sequences,
+        us_per_step: median * 1e6,
+        gb_per_s,
+        pct_of_memcpy: 100.0 * gb_per_s / memcpy.read_gb_per_s,
+        bytes_per_step: bytes,
+        speedup_vs_q8: None,
+        speedup_vs_f16: None,
+    })
+}
+
+/// Fills the speed-ups of one context's rows against its `q8` and `f16` rows, when measured.
+fn set_speedups(rows: &mut [Row]) {
+    let time_of = |rows: &[Row], name: &str| {
+        rows.iter()
+            .find(|r| r.scheme == name)
+            .map(|r| r.us_per_step)
+    };
+    let q8 = time_of(rows, "q8");
+    let f16 = time_of(rows, "f16");
+    for r in rows {
+        r.speedup_vs_q8 = q8.map(|t| t / r.us_per_step);
+        r.speedup_vs_f16 = f16.map(|t| t / r.us_per_step);
+    }
+}
+
+fn print_table(report: &Report) {
+    let s = &report.shape;
+    let m = &report.memcpy;
+    println!(
+        "decode attention, CPU backend ({} kernels, {} threads), 1 query token per step",
+        report.cpu_kernels, m.threads
+    );
+    println!(
+        "shape: {} KV heads × GQA {} ({} query heads) × head_dim {}; each row rotates over \
+         sequences holding > {} MiB",
+        s.kv_heads,
+        s.gqa,
+        s.q_heads,
+        s.head_dim,
+        WORKING_SET >> 20
+    );
+    println!(
+        "memcpy: {:.1} GB/s read (as many bytes written), {} MiB, {} threads, best of {}\n",
+        m.read_gb_per_s,
+        m.bytes >> 20,
+        m.threads,
+        m.runs
+    );
+    let w = report
+        .rows
+        .iter()
+        .map(|r| r.scheme.len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
+    println!(
+        "{:>7}  {:<w$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>6}  {:>6}",
+        "context", "scheme", "seqs", "MiB/step", "µs/step", "GB/s", "%memcpy", "vs q8", "vs f16"
+    );
+    let speedup = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}×"));
+    for (i, r) in report.rows.iter().enumerate() {
+        if i > 0 && report.rows[i - 1].context != r.context {
+            println!();
+        }
+        println!(
+            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>7.1}%  {:>6}  {:>6}",
+            r.context,
+            r.scheme,
+            r.sequences,
+            r.bytes_per_step as f64 / (1 << 20) as f64,
+            r.us_per_step,
+            r.gb_per_s,
+            r.pct_of_memcpy,
+            speedup(r.speedup_vs_q8),
+            speedup(r.speedup_vs_f16),
+        );
+    }
+}
