@@ -1,0 +1,45 @@
+//! Decode attention per scheme: one query token over 4096 cached tokens, 8 KV heads × GQA 4 ×
+//! head_dim 128. One sequence of at most 16 MiB stays in this machine's L3, so these are
+//! in-cache figures for spotting regressions; `hipkv bench` measures from DRAM.
+
+mod common;
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use hipkv::synth::{Rng, TokenPool};
+
+use common::{GQA, HEAD_DIM, KV_HEADS};
+
+const CONTEXT: usize = 4096;
+
+fn attend(c: &mut Criterion) {
+    let pool = TokenPool::new(&mut Rng::new(1), 2048, KV_HEADS, HEAD_DIM);
+    let q = Rng::new(2).normals(KV_HEADS * GQA * HEAD_DIM);
+    let mut out = vec![0f32; q.len()];
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let mut group = c.benchmark_group("attend_4k");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    for scheme in common::schemes() {
+        let mut cache = common::cache(scheme, CONTEXT, &pool);
+        pool.fill(&mut cache, 0, 0, CONTEXT, 512, 0).expect("fill");
+        let bytes = cache.bytes_read(0, 0).expect("sequence 0");
+        group.throughput(Throughput::Bytes(bytes as u64));
+        group.bench_function(scheme.to_string(), |b| {
+            b.iter(|| {
+                cache
+                    .attend(0, 0, black_box(&q), scale, &mut out)
+                    .expect("attend");
+                black_box(&out);
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, attend);
+criterion_main!(benches);

@@ -1,0 +1,41 @@
+//! Shape and cache construction shared by the criterion benchmarks.
+
+use hipkv::{CacheConfig, KvCache, Rope, RopeLayout, Scheme};
+
+pub const KV_HEADS: usize = 8;
+pub const GQA: usize = 4;
+pub const HEAD_DIM: usize = 128;
+
+/// Every preset, then the two options that change what attention reads.
+pub fn schemes() -> Vec<Scheme> {
+    hipkv::scheme::PRESETS
+        .iter()
+        .copied()
+        .chain(["kivi2,outliers", "kivi2,pre_rope"])
+        .map(|s| s.parse().expect("known scheme"))
+        .collect()
+}
+
+/// A one-layer, one-sequence cache with RoPE (as `hipkv bench` builds), calibrated from `pool`
+/// when the scheme stores outliers.
+pub fn cache(scheme: Scheme, capacity: usize, pool: &hipkv::synth::TokenPool) -> KvCache {
+    let mut cache = KvCache::new(CacheConfig {
+        layers: 1,
+        sequences: 1,
+        kv_heads: KV_HEADS,
+        q_heads: KV_HEADS * GQA,
+        head_dim: HEAD_DIM,
+        capacity,
+        scheme,
+        rope: Some(Rope {
+            base: 10000.0,
+            layout: RopeLayout::Interleaved,
+        }),
+    })
+    .expect("valid bench configuration");
+    if scheme.outliers.is_some() {
+        let (k, v) = pool.first(capacity);
+        cache.calibrate_outliers(0, k, v, 0).expect("calibration");
+    }
+    cache
+}
