@@ -50,8 +50,8 @@ fn main() -> hipkv::Result<()> {
          one decode step"
     );
     println!(
-        "{:<16} {:>10} {:>8}  {}",
-        "scheme", "KiB", "vs f16", "output error vs f16 (relative RMS)"
+        "{:<16} {:>10} {:>8}  output error vs f16 (relative RMS)",
+        "scheme", "KiB", "vs f16"
     );
     for name in [
         "f16",

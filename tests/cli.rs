@@ -1,0 +1,65 @@
+//! The `hipkv` binary: `info` output and clean failures on bad flags (no timing here; `bench` is
+//! only run with flags it rejects before measuring anything).
+
+use std::process::{Command, Output};
+
+fn hipkv(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hipkv"))
+        .args(args)
+        .output()
+        .expect("run hipkv")
+}
+
+#[test]
+fn info_lists_backends_and_every_preset() {
+    let out = hipkv(&["info"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("cpu  available"));
+    assert!(text.contains("hip  unavailable  this build has no HIP kernels yet"));
+    for scheme in hipkv::scheme::PRESETS
+        .iter()
+        .chain(&["kivi2,outliers", "kivi2,pre_rope"])
+    {
+        let row = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(scheme))
+            .unwrap_or_else(|| panic!("no row for {scheme}"));
+        let s: hipkv::Scheme = scheme.parse().unwrap();
+        assert!(
+            row.contains(&format!("{:.1}", s.bytes_per_token(128))),
+            "{row}"
+        );
+    }
+}
+
+#[test]
+fn bad_flags_fail_with_the_library_error_and_no_panic() {
+    for (args, message) in [
+        (&["info", "--head-dim", "100"][..], "head_dim 100"),
+        (&["bench", "--schemes", "q8;q9"], "unknown item `q9`"),
+        (&["bench", "--kv-heads", "0"], "kv_heads must be positive"),
+        (&["bench", "--gqa", "0"], "q_heads must be positive"),
+        (&["bench", "--contexts", "0"], "contexts must be positive"),
+        (&["bench", "--schemes", ";"], "names no scheme"),
+    ] {
+        let out = hipkv(args);
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn malformed_flags_are_usage_errors() {
+    for args in [
+        &["bench", "--min-time=-1"][..],
+        &["bench", "--contexts", "1k"],
+        &["frobnicate"],
+    ] {
+        let out = hipkv(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
+}
