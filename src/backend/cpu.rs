@@ -1,6 +1,6 @@
 //! CPU decode attention: split-K over (query, KV head, page range) work items on all cores,
-//! dequantization inside the loop one token row at a time, online softmax in base 2 with f32
-//! state, and a combine step, the same algorithm the GPU kernels run.
+//! dequantization into vector registers inside the score and value loops, online softmax in
+//! base 2 with f32 state, and a combine step: the same algorithm the GPU kernels run.
 
 use std::ops::Range;
 
@@ -10,7 +10,8 @@ use crate::cache::{CacheConfig, Query, SeqState};
 use crate::quant::{self, get_f16};
 use crate::rope::RopeTable;
 use crate::scheme::{
-    Format, HeadLayout, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Q8_0_BLOCK, Q8_0_BLOCK_BYTES,
+    Format, HeadLayout, LowBits, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Q8_0_BLOCK,
+    Q8_0_BLOCK_BYTES,
 };
 
 use super::simd::{Kernel, KernelFn, dispatch};
@@ -316,7 +317,85 @@ impl KernelFn<Partial> for RunItem<'_, '_> {
     }
 }
 
-/// One work item: online softmax over the blocks for every query row of the head.
+/// Binds `$rows` to the [`Rows`] decoder of stream block `$s` (its parameters converted into
+/// `$buf`) and evaluates `$body`, monomorphized for each format.
+macro_rules! with_rows {
+    ($k:expr, $s:expr, $n:expr, $buf:ident, |$rows:ident| $body:expr) => {{
+        let s: &StreamBlock<'_> = &$s;
+        let d = s.head_dim;
+        assert_eq!(s.row_bytes, s.format.row_bytes(d));
+        s.params_f32($k, $n, &mut $buf);
+        let packed = Packed::new(s.rows, s.row_bytes, $n);
+        match s.format {
+            Format::F16 => {
+                let $rows = F16Rows { packed };
+                $body
+            }
+            Format::Q8 => {
+                assert!($buf.len() >= $n);
+                let $rows = Q8Rows {
+                    packed,
+                    scales: &$buf,
+                };
+                $body
+            }
+            Format::Q8_0 => {
+                let blocks = d / Q8_0_BLOCK;
+                assert!($buf.len() >= $n * blocks);
+                let $rows = Q80Rows {
+                    packed,
+                    scales: &$buf,
+                    blocks,
+                };
+                $body
+            }
+            Format::Tok { bits, group } => {
+                let group = group.size(d);
+                let (groups, group_shift) = (d / group, group.trailing_zeros());
+                assert!(group.is_power_of_two() && $buf.len() >= 2 * groups * $n);
+                let params = &$buf;
+                match bits {
+                    LowBits::Four => {
+                        let $rows = TokRows::<4> {
+                            packed,
+                            params,
+                            groups,
+                            group_shift,
+                        };
+                        $body
+                    }
+                    LowBits::Two => {
+                        let $rows = TokRows::<2> {
+                            packed,
+                            params,
+                            groups,
+                            group_shift,
+                        };
+                        $body
+                    }
+                }
+            }
+            Format::Chan { bits } => {
+                let (scale, min) = $buf.split_at(d);
+                assert_eq!(min.len(), d);
+                match bits {
+                    LowBits::Four => {
+                        let $rows = ChanRows::<4> { packed, scale, min };
+                        $body
+                    }
+                    LowBits::Two => {
+                        let $rows = ChanRows::<2> { packed, scale, min };
+                        $body
+                    }
+                }
+            }
+        }
+    }};
+}
+
+/// One work item: online softmax over the blocks for every query row of the head. Per block:
+/// score every key against every query row, update the softmax state, accumulate the weighted
+/// values; rows are decoded into registers inside those loops and never stored dequantized.
 #[inline(always)]
 fn run_item<K: Kernel>(
     k: K,
@@ -326,145 +405,465 @@ fn run_item<K: Kernel>(
 ) -> Partial {
     let d = view.config.head_dim;
     let rows = hq.pos.len();
-    let pre_rope = view.config.scheme.pre_rope;
     let mut part = Partial {
         max: vec![f32::NEG_INFINITY; rows],
         sum: vec![0.0; rows],
         acc: vec![0.0; rows * d],
     };
-    let g = view
-        .config
-        .scheme
-        .group_tokens
-        .max(view.config.scheme.sinks);
+    let g = blocks.iter().map(|b| b.tokens).max().unwrap_or(0);
     let mut scores = vec![0f32; rows * g];
-    let mut row_buf = vec![0f32; d];
-    let mut decoder = Decoder::new(d);
-    for block in blocks {
+    let mut params = Vec::new();
+    let mut keys = Vec::new();
+    for (i, block) in blocks.iter().enumerate() {
+        if let Some(next) = blocks.get(i + 1) {
+            for stream in [&next.k, &next.v] {
+                k.prefetch(stream.rows);
+                k.prefetch(stream.params);
+            }
+        }
         let n = block.tokens;
-        // Scores of every row against every token of the block.
-        decoder.begin(&block.k);
-        for t in 0..n {
-            decoder.decode(k, &block.k, t, &mut row_buf);
-            let pos = block.first_pos + t;
-            if pre_rope {
-                view.rope
-                    .expect("pre_rope needs RoPE")
-                    .rotate(&mut row_buf, pos);
+        if view.config.scheme.pre_rope {
+            // Keys stored before RoPE: dequantize the block's keys and rotate each to its
+            // position (KVQuant), then score the rotated rows.
+            keys.resize(n * d, 0.0);
+            with_rows!(k, block.k, n, params, |rows| decode_block(
+                k, &rows, n, d, &mut keys
+            ));
+            let rope = view
+                .rope
+                .expect("pre_rope schemes are validated to have RoPE");
+            for (t, key) in keys.chunks_exact_mut(d).enumerate() {
+                for (c, x) in block.k.outliers(t) {
+                    key[c] = x;
+                }
+                rope.rotate(key, block.first_pos + t);
             }
-            for r in 0..rows {
-                scores[r * g + t] = if pos <= hq.pos[r] {
-                    k.dot(&hq.rows[r * d..(r + 1) * d], &row_buf)
-                } else {
-                    f32::NEG_INFINITY
-                };
-            }
+            score_block(
+                k,
+                &F32Rows::new(&keys, n, d),
+                n,
+                d,
+                &hq.rows,
+                &mut scores,
+                g,
+            );
+        } else {
+            with_rows!(k, block.k, n, params, |rows| {
+                score_block(k, &rows, n, d, &hq.rows, &mut scores, g);
+                // Sparse outliers: correct each score by q·(exact − dense).
+                for t in 0..n {
+                    for (c, x) in block.k.outliers(t) {
+                        let delta = x - dense_value(k, &rows, t, c);
+                        for r in 0..hq.pos.len() {
+                            scores[r * g + t] += hq.rows[r * d + c] * delta;
+                        }
+                    }
+                }
+            });
         }
-        // Online softmax: rescale each row once per block, then turn scores into weights.
-        for r in 0..rows {
-            let s = &mut scores[r * g..r * g + n];
-            let block_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if block_max == f32::NEG_INFINITY {
-                s.fill(0.0);
-                continue;
-            }
-            let m = part.max[r].max(block_max);
-            let alpha = (part.max[r] - m).exp2();
-            part.max[r] = m;
-            if alpha != 1.0 {
-                part.sum[r] *= alpha;
-                part.acc[r * d..(r + 1) * d]
-                    .iter_mut()
-                    .for_each(|a| *a *= alpha);
-            }
-            let mut sum = 0.0;
-            for x in s.iter_mut() {
-                *x = (*x - m).exp2();
-                sum += *x;
-            }
-            part.sum[r] += sum;
-        }
-        // Weighted values.
-        decoder.begin(&block.v);
-        for t in 0..n {
-            decoder.decode(k, &block.v, t, &mut row_buf);
-            for r in 0..rows {
-                let p = scores[r * g + t];
-                if p != 0.0 {
-                    k.axpy(p, &row_buf, &mut part.acc[r * d..(r + 1) * d]);
+        softmax_block(k, hq, block.first_pos, n, &mut scores, g, d, &mut part);
+        with_rows!(k, block.v, n, params, |rows| {
+            accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc);
+            for t in 0..n {
+                for (c, x) in block.v.outliers(t) {
+                    let delta = x - dense_value(k, &rows, t, c);
+                    for r in 0..hq.pos.len() {
+                        part.acc[r * d + c] += scores[r * g + t] * delta;
+                    }
                 }
             }
-        }
+        });
     }
     part
 }
 
-/// Turns stored rows into f32 rows; holds the per-block state of per-channel formats.
-struct Decoder {
-    /// Per-channel `(scale, min)` of the current block, for `Format::Chan`.
-    chan_scale: Vec<f32>,
-    chan_min: Vec<f32>,
+/// Masks tokens past each row's position (causal chunks), then turns the block's scores into
+/// softmax weights against each row's running maximum, rescaling the row's state once.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn softmax_block<K: Kernel>(
+    k: K,
+    hq: &HeadQueries,
+    first_pos: usize,
+    n: usize,
+    scores: &mut [f32],
+    g: usize,
+    d: usize,
+    part: &mut Partial,
+) {
+    for (r, &pos) in hq.pos.iter().enumerate() {
+        let visible = (pos + 1).saturating_sub(first_pos).min(n);
+        let s = &mut scores[r * g..r * g + n];
+        s[visible..].fill(f32::NEG_INFINITY);
+        let block_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if block_max == f32::NEG_INFINITY {
+            s.fill(0.0);
+            continue;
+        }
+        let m = part.max[r].max(block_max);
+        let alpha = (part.max[r] - m).exp2();
+        part.max[r] = m;
+        if alpha != 1.0 {
+            part.sum[r] *= alpha;
+            part.acc[r * d..(r + 1) * d]
+                .iter_mut()
+                .for_each(|a| *a *= alpha);
+        }
+        s.iter_mut().for_each(|x| *x -= m);
+        k.exp2_in_place(s);
+        part.sum[r] += s.iter().sum::<f32>();
+    }
 }
 
-impl Decoder {
-    fn new(d: usize) -> Self {
-        Decoder {
-            chan_scale: vec![0.0; d],
-            chan_min: vec![0.0; d],
-        }
-    }
+/// Token rows of one stream, dequantized eight channels at a time into a vector register.
+///
+/// Each implementation is built for `n` tokens of `d` channels and checks, when built, that its
+/// slices hold them; `row8` then reads without further checks.
+trait Rows {
+    /// Channels `c..c + 8` of token `t`.
+    ///
+    /// # Safety
+    /// `t < n`, `c % 8 == 0` and `c + 8 <= d` for the `n` and `d` the rows were built for.
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V;
+}
 
-    fn begin(&mut self, s: &StreamBlock<'_>) {
-        if let Format::Chan { .. } = s.format {
-            for c in 0..s.head_dim {
-                self.chan_scale[c] = get_f16(s.params, 4 * c);
-                self.chan_min[c] = get_f16(s.params, 4 * c + 2);
-            }
-        }
-    }
+/// Already dequantized rows (pre-RoPE keys after rotation).
+struct F32Rows<'a> {
+    data: &'a [f32],
+    d: usize,
+}
 
-    /// Dequantizes token `t` of `s` into `out`, outliers included.
+impl<'a> F32Rows<'a> {
+    fn new(data: &'a [f32], n: usize, d: usize) -> Self {
+        assert!(data.len() >= n * d);
+        F32Rows { data, d }
+    }
+}
+
+impl Rows for F32Rows<'_> {
     #[inline(always)]
-    fn decode<K: Kernel>(&self, k: K, s: &StreamBlock<'_>, t: usize, out: &mut [f32]) {
-        let row = s.row(t);
-        match s.format {
-            Format::F16 => k.f16_to_f32(row, out),
-            Format::Q8 => {
-                let scale = get_f16(s.params, 2 * t);
-                k.i8_scaled(row, scale, out);
-            }
-            Format::Q8_0 => {
-                for (b, o) in row
-                    .chunks_exact(Q8_0_BLOCK_BYTES)
-                    .zip(out.chunks_exact_mut(Q8_0_BLOCK))
-                {
-                    k.i8_scaled(&b[2..], get_f16(b, 0), o);
-                }
-            }
-            Format::Tok { bits, group } => {
-                let g = group.size(s.head_dim);
-                let params = s.token_params(t);
-                let per = bits.codes_per_byte();
-                for (gi, o) in out.chunks_exact_mut(g).enumerate() {
-                    let packed = &row[gi * g / per..(gi + 1) * g / per];
-                    k.unpack_affine(
-                        bits,
-                        packed,
-                        get_f16(params, 4 * gi),
-                        get_f16(params, 4 * gi + 2),
-                        o,
-                    );
-                }
-            }
-            Format::Chan { bits } => {
-                k.unpack_affine(bits, row, 1.0, 0.0, out);
-                for ((o, s), m) in out.iter_mut().zip(&self.chan_scale).zip(&self.chan_min) {
-                    *o = k.fma(*o, *s, *m);
-                }
-            }
-        }
-        for (c, x) in s.outliers(t) {
-            out[c] = x;
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+        // SAFETY: `data` holds `n × d` floats (checked in `new`) and the contract of `row8`
+        // keeps `t·d + c + 8` within them.
+        unsafe { k.load_ptr(self.data.as_ptr().add(t * self.d + c)) }
+    }
+}
+
+/// Packed rows of a block: `n` rows of `row_bytes`, checked to be in the slice.
+#[derive(Clone, Copy)]
+struct Packed<'a> {
+    rows: &'a [u8],
+    row_bytes: usize,
+}
+
+impl<'a> Packed<'a> {
+    fn new(rows: &'a [u8], row_bytes: usize, n: usize) -> Self {
+        assert!(rows.len() >= n * row_bytes);
+        Packed { rows, row_bytes }
+    }
+
+    /// Pointer to byte `offset` of row `t`.
+    ///
+    /// # Safety
+    /// `t < n` and `offset < row_bytes`.
+    #[inline(always)]
+    unsafe fn at(&self, t: usize, offset: usize) -> *const u8 {
+        // SAFETY: within the `n × row_bytes` bytes checked in `new`.
+        unsafe { self.rows.as_ptr().add(t * self.row_bytes + offset) }
+    }
+}
+
+struct F16Rows<'a> {
+    packed: Packed<'a>,
+}
+
+impl Rows for F16Rows<'_> {
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+        // SAFETY: an f16 row has `2d` bytes; `c + 8 <= d` keeps the 16 bytes read inside it.
+        unsafe { k.f16x8(self.packed.at(t, 2 * c)) }
+    }
+}
+
+/// `q8`: `scale[t] · int8`.
+struct Q8Rows<'a> {
+    packed: Packed<'a>,
+    scales: &'a [f32],
+}
+
+impl Rows for Q8Rows<'_> {
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+        // SAFETY: a q8 row has `d` bytes; `c + 8 <= d` keeps the 8 bytes read inside it;
+        // `scales` holds one per token (checked where built).
+        unsafe {
+            k.mul(
+                k.i8x8(self.packed.at(t, c)),
+                k.splat(*self.scales.get_unchecked(t)),
+            )
         }
     }
+}
+
+/// `q8_0`: `d[t][block] · int8`, the scale inside each 34-byte block.
+struct Q80Rows<'a> {
+    packed: Packed<'a>,
+    scales: &'a [f32],
+    blocks: usize,
+}
+
+impl Rows for Q80Rows<'_> {
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+        let (b, i) = (c / Q8_0_BLOCK, c % Q8_0_BLOCK);
+        // SAFETY: block `b < d / 32` of the row holds 2 + 32 bytes and `i + 8 <= 32`; `scales`
+        // holds `n × blocks` (checked where built).
+        unsafe {
+            let codes = k.i8x8(self.packed.at(t, b * Q8_0_BLOCK_BYTES + 2 + i));
+            k.mul(
+                codes,
+                k.splat(*self.scales.get_unchecked(t * self.blocks + b)),
+            )
+        }
+    }
+}
+
+/// Eight packed low-bit codes of channels `c..c + 8` of row `t`.
+///
+/// # Safety
+/// As [`Rows::row8`], for rows of `d · BITS / 8` bytes.
+#[inline(always)]
+unsafe fn codes8<K: Kernel, const BITS: usize>(
+    k: K,
+    packed: &Packed<'_>,
+    t: usize,
+    c: usize,
+) -> K::V {
+    // SAFETY: the row has `d · BITS / 8` bytes; `c + 8 <= d` keeps the `BITS` bytes read at
+    // `c · BITS / 8` inside it.
+    unsafe {
+        if BITS == 4 {
+            k.u4x8(packed.at(t, c / 2))
+        } else {
+            k.u2x8(packed.at(t, c / 4))
+        }
+    }
+}
+
+/// `q*_tok`: `min[t][group] + scale[t][group] · code`.
+struct TokRows<'a, const BITS: usize> {
+    packed: Packed<'a>,
+    /// `(scale, min)` per token per group.
+    params: &'a [f32],
+    groups: usize,
+    /// log2 of the channels per group (group sizes are powers of two).
+    group_shift: u32,
+}
+
+impl<const BITS: usize> Rows for TokRows<'_, BITS> {
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+        let p = 2 * (t * self.groups + (c >> self.group_shift));
+        // SAFETY: forwarded contract; `params` holds `2 × groups` per token (checked where
+        // built) and `c >> group_shift < groups`.
+        unsafe {
+            let codes = codes8::<K, BITS>(k, &self.packed, t, c);
+            let (scale, min) = (
+                *self.params.get_unchecked(p),
+                *self.params.get_unchecked(p + 1),
+            );
+            k.fmadd(codes, k.splat(scale), k.splat(min))
+        }
+    }
+}
+
+/// `q*_chan`: `min[c] + scale[c] · code`, parameters shared by the page's tokens.
+struct ChanRows<'a, const BITS: usize> {
+    packed: Packed<'a>,
+    scale: &'a [f32],
+    min: &'a [f32],
+}
+
+impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+        // SAFETY: forwarded contract; `scale` and `min` hold `d` floats (checked where built).
+        unsafe {
+            let codes = codes8::<K, BITS>(k, &self.packed, t, c);
+            let scale = k.load_ptr(self.scale.as_ptr().add(c));
+            k.fmadd(codes, scale, k.load_ptr(self.min.as_ptr().add(c)))
+        }
+    }
+}
+
+impl StreamBlock<'_> {
+    /// Converts the f16 parameters of the first `n` tokens to f32 in `out`, laid out as the
+    /// format's [`Rows`] reads them.
+    #[inline(always)]
+    fn params_f32<K: Kernel>(&self, k: K, n: usize, out: &mut Vec<f32>) {
+        let d = self.head_dim;
+        out.clear();
+        match self.format {
+            Format::F16 => {}
+            Format::Q8 | Format::Tok { .. } => {
+                let bytes = n * self.format.params_bytes(1, d);
+                out.resize(bytes / 2, 0.0);
+                k.f16_to_f32(&self.params[..bytes], out);
+            }
+            Format::Q8_0 => out.extend((0..n).flat_map(|t| {
+                (0..d / Q8_0_BLOCK)
+                    .map(move |b| get_f16(self.rows, t * self.row_bytes + b * Q8_0_BLOCK_BYTES))
+            })),
+            Format::Chan { .. } => {
+                // Convert the (scale, min) pairs, then de-interleave: scales, then minimums.
+                out.resize(4 * d, 0.0);
+                let (planar, pairs) = out.split_at_mut(2 * d);
+                k.f16_to_f32(&self.params[..4 * d], pairs);
+                for (c, sm) in pairs.chunks_exact(2).enumerate() {
+                    (planar[c], planar[d + c]) = (sm[0], sm[1]);
+                }
+                out.truncate(2 * d);
+            }
+        }
+    }
+}
+
+/// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
+/// rows per pass so each key row is decoded once per four query rows.
+#[inline(always)]
+fn score_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    scores: &mut [f32],
+    g: usize,
+) {
+    let total = q.len() / d;
+    let mut r0 = 0;
+    while r0 < total {
+        r0 += match total - r0 {
+            1 => score_rows::<K, R, 1>(k, rows, n, d, q, r0, scores, g),
+            2 | 3 => score_rows::<K, R, 2>(k, rows, n, d, q, r0, scores, g),
+            _ => score_rows::<K, R, 4>(k, rows, n, d, q, r0, scores, g),
+        };
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn score_rows<K: Kernel, R: Rows, const QR: usize>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    r0: usize,
+    scores: &mut [f32],
+    g: usize,
+) -> usize {
+    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(8) && n <= g);
+    let qp = q.as_ptr();
+    for t in 0..n {
+        let mut acc = [k.splat(0.0); QR];
+        for c in (0..d).step_by(8) {
+            // SAFETY: `t < n` and `c + 8 <= d` (the rows' contract); query row `r0 + j` lies
+            // within `q` by the assert above.
+            unsafe {
+                let key = rows.row8(k, t, c);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = k.fmadd(k.load_ptr(qp.add((r0 + j) * d + c)), key, *a);
+                }
+            }
+        }
+        for (j, s) in k.hsum(acc).into_iter().enumerate() {
+            scores[(r0 + j) * g + t] = s;
+        }
+    }
+    QR
+}
+
+/// `acc += Σ_t w[t] · value[t]` for up to four query rows, eight channels at a time with the
+/// rows' accumulators in registers across the block's tokens.
+#[inline(always)]
+fn accumulate_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    acc: &mut [f32],
+) {
+    let total = acc.len() / d;
+    let mut r0 = 0;
+    while r0 < total {
+        r0 += match total - r0 {
+            1 => accumulate_rows::<K, R, 1>(k, rows, n, d, w, g, r0, acc),
+            2 | 3 => accumulate_rows::<K, R, 2>(k, rows, n, d, w, g, r0, acc),
+            _ => accumulate_rows::<K, R, 4>(k, rows, n, d, w, g, r0, acc),
+        };
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    r0: usize,
+    acc: &mut [f32],
+) -> usize {
+    assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
+    assert!(d.is_multiple_of(8));
+    let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
+    for c in (0..d).step_by(8) {
+        // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in `w`
+        // and accumulator `(r0 + j)·d + c .. + 8` in `acc`; `t < n`, `c + 8 <= d` is the
+        // rows' contract.
+        unsafe {
+            let mut a = [k.splat(0.0); QR];
+            for (j, a) in a.iter_mut().enumerate() {
+                *a = k.load_ptr(ap.add((r0 + j) * d + c));
+            }
+            for t in 0..n {
+                let value = rows.row8(k, t, c);
+                for (j, a) in a.iter_mut().enumerate() {
+                    *a = k.fmadd(k.splat(*wp.add((r0 + j) * g + t)), value, *a);
+                }
+            }
+            for (j, a) in a.into_iter().enumerate() {
+                k.store_ptr(a, ap.add((r0 + j) * d + c));
+            }
+        }
+    }
+    QR
+}
+
+/// Writes the first `n` dequantized rows into `out` (`n × d`).
+#[inline(always)]
+fn decode_block<K: Kernel, R: Rows>(k: K, rows: &R, n: usize, d: usize, out: &mut [f32]) {
+    assert!(out.len() >= n * d && d.is_multiple_of(8));
+    for t in 0..n {
+        for c in (0..d).step_by(8) {
+            // SAFETY: `t < n`, `c + 8 <= d`.
+            k.store(unsafe { rows.row8(k, t, c) }, &mut out[t * d + c..]);
+        }
+    }
+}
+
+/// The dense (clipped, quantized) value of channel `c` of token `t`, computed exactly as the
+/// vector loops compute it, so an outlier correction `exact − dense` restores `exact`.
+#[inline(always)]
+fn dense_value<K: Kernel, R: Rows>(k: K, rows: &R, t: usize, c: usize) -> f32 {
+    let mut lanes = [0f32; 8];
+    // SAFETY: the outlier store holds channels `c < d` of tokens `t < n`, and `d` is a
+    // multiple of 8.
+    k.store(unsafe { rows.row8(k, t, c & !7) }, &mut lanes);
+    lanes[c & 7]
 }

@@ -1,86 +1,184 @@
-//! The arithmetic of the CPU kernels, written once and compiled twice: a portable version and,
-//! on x86-64 CPUs that have them, one with AVX2, FMA and F16C enabled, chosen at run time.
+//! The arithmetic of the CPU kernels, written once over an 8-lane vector type and compiled
+//! twice: a portable version and, on x86-64 CPUs that have them, one with AVX2, FMA and F16C,
+//! chosen at run time. Every packed format is decoded straight into a vector register, 8
+//! channels at a time, so dequantized values never go through memory.
 
 use half::f16;
 
-use crate::scheme::LowBits;
-
-/// Element-wise primitives the CPU attention is built from. Loops are written with 32
-/// independent lanes so the compiler vectorizes them and hides FMA latency.
+/// Eight-lane f32 primitives the CPU attention is built from.
 pub(crate) trait Kernel: Copy {
+    /// Eight f32 lanes.
+    type V: Copy;
+
+    fn splat(self, x: f32) -> Self::V;
+    /// Stores into `out[..8]`.
+    #[inline(always)]
+    fn store(self, v: Self::V, out: &mut [f32]) {
+        assert!(out.len() >= 8);
+        // SAFETY: 8 floats are in bounds.
+        unsafe { self.store_ptr(v, out.as_mut_ptr()) }
+    }
+    /// Loads 8 floats.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable floats (any alignment).
+    unsafe fn load_ptr(self, p: *const f32) -> Self::V;
+    /// Stores 8 floats.
+    ///
+    /// # Safety
+    /// `p` points to 8 writable floats (any alignment).
+    unsafe fn store_ptr(self, v: Self::V, p: *mut f32);
     /// `a * b + c`, fused where the CPU can.
+    fn fmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Sum of the lanes of each vector.
+    fn hsum<const R: usize>(self, v: [Self::V; R]) -> [f32; R];
+    /// Scalar `a * b + c`, fused where the CPU can (never a slow software FMA).
     fn fma(self, a: f32, b: f32, c: f32) -> f32;
+
+    // The decoders below read packed data straight from a page.
+    //
+    // # Safety
+    // `p` points to the bytes read: 16 for `f16x8`, 8 for `i8x8`, 4 for `u4x8`, 2 for `u2x8`.
+
+    /// Eight little-endian f16.
+    unsafe fn f16x8(self, p: *const u8) -> Self::V;
+    /// Eight int8.
+    unsafe fn i8x8(self, p: *const u8) -> Self::V;
+    /// Eight 4-bit codes, low nibble first.
+    unsafe fn u4x8(self, p: *const u8) -> Self::V;
+    /// Eight 2-bit codes, low bits first.
+    unsafe fn u2x8(self, p: *const u8) -> Self::V;
+
+    /// Hints that `bytes` will be read soon. Pages are scattered in the pool and hardware
+    /// prefetchers stop at 4 KiB boundaries, so attention fetches the next block ahead.
+    #[inline(always)]
+    fn prefetch(self, bytes: &[u8]) {
+        let _ = bytes;
+    }
 
     /// Converts little-endian f16 bytes to f32.
     #[inline(always)]
     fn f16_to_f32(self, src: &[u8], out: &mut [f32]) {
-        for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-            *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let done = out.len() / 8 * 8;
+        let mut chunks = out.chunks_exact_mut(8);
+        for (o, b) in (&mut chunks).zip(src.chunks_exact(16)) {
+            // SAFETY: `b` holds 16 bytes.
+            self.store(unsafe { self.f16x8(b.as_ptr()) }, o);
+        }
+        for (j, o) in chunks.into_remainder().iter_mut().enumerate() {
+            let at = 2 * (done + j);
+            *o = f16::from_le_bytes([src[at], src[at + 1]]).to_f32();
         }
     }
 
+    /// `x = 2^x` in place (for `x ≤ 0`; `-inf` gives 0): Cephes' degree-6 polynomial on
+    /// `[-0.5, 0.5]`, relative error below 2e-7, the same formula in every kernel.
     #[inline(always)]
-    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = [0f32; 32];
-        for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
-            for i in 0..32 {
-                acc[i] = self.fma(x[i], y[i], acc[i]);
-            }
-        }
-        let tail = a.len() / 32 * 32;
-        let mut sum = acc.iter().sum::<f32>();
-        for (x, y) in a[tail..].iter().zip(&b[tail..]) {
-            sum = self.fma(*x, *y, sum);
-        }
-        sum
-    }
-
-    /// `y += a * x`.
-    #[inline(always)]
-    fn axpy(self, a: f32, x: &[f32], y: &mut [f32]) {
-        for (y, x) in y.iter_mut().zip(x) {
-            *y = self.fma(a, *x, *y);
-        }
-    }
-
-    /// `out = scale * int8(src)`.
-    #[inline(always)]
-    fn i8_scaled(self, src: &[u8], scale: f32, out: &mut [f32]) {
-        for (o, &b) in out.iter_mut().zip(src) {
-            *o = scale * f32::from(b as i8);
-        }
-    }
-
-    /// `out = min + scale * code` for packed low-bit codes (low bits first).
-    #[inline(always)]
-    fn unpack_affine(self, bits: LowBits, src: &[u8], scale: f32, min: f32, out: &mut [f32]) {
-        match bits {
-            LowBits::Four => {
-                for (o, &b) in out.chunks_exact_mut(2).zip(src) {
-                    o[0] = self.fma(scale, f32::from(b & 15), min);
-                    o[1] = self.fma(scale, f32::from(b >> 4), min);
-                }
-            }
-            LowBits::Two => {
-                for (o, &b) in out.chunks_exact_mut(4).zip(src) {
-                    o[0] = self.fma(scale, f32::from(b & 3), min);
-                    o[1] = self.fma(scale, f32::from((b >> 2) & 3), min);
-                    o[2] = self.fma(scale, f32::from((b >> 4) & 3), min);
-                    o[3] = self.fma(scale, f32::from(b >> 6), min);
-                }
-            }
+    fn exp2_in_place(self, xs: &mut [f32]) {
+        for x in xs.iter_mut() {
+            *x = exp2_poly(self, *x);
         }
     }
 }
 
-/// Any CPU: separate multiply and add (a software FMA would be slow).
+/// Coefficients of `2^f - 1 ≈ f · P(f)` on `[-0.5, 0.5]` (Cephes `exp2f`).
+const EXP2_POLY: [f32; 6] = [
+    1.535_336_2e-4,
+    1.339_887_4e-3,
+    9.618_437e-3,
+    5.550_332_5e-2,
+    2.402_264_8e-1,
+    6.931_472e-1,
+];
+
+/// Below this, `2^x` is flushed to 0 (it would be subnormal).
+const EXP2_MIN: f32 = -126.0;
+
+#[inline(always)]
+fn exp2_poly<K: Kernel>(k: K, x: f32) -> f32 {
+    if x < EXP2_MIN {
+        return 0.0;
+    }
+    let i = x.round();
+    let f = x - i;
+    let p = EXP2_POLY[1..]
+        .iter()
+        .fold(EXP2_POLY[0], |p, &c| k.fma(p, f, c));
+    let y = k.fma(f, p, 1.0);
+    f32::from_bits((y.to_bits() as i32 + ((i as i32) << 23)) as u32)
+}
+
+/// Any CPU: plain arrays the compiler may vectorize, separate multiply and add.
 #[derive(Clone, Copy)]
 pub(crate) struct Portable;
 
 impl Kernel for Portable {
+    type V = [f32; 8];
+
+    #[inline(always)]
+    fn splat(self, x: f32) -> [f32; 8] {
+        [x; 8]
+    }
+
+    #[inline(always)]
+    unsafe fn load_ptr(self, p: *const f32) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable floats.
+        unsafe { p.cast::<[f32; 8]>().read_unaligned() }
+    }
+
+    #[inline(always)]
+    unsafe fn store_ptr(self, v: [f32; 8], p: *mut f32) {
+        // SAFETY: the caller guarantees 8 writable floats.
+        unsafe { p.cast::<[f32; 8]>().write_unaligned(v) }
+    }
+
+    #[inline(always)]
+    fn fmadd(self, a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
+    }
+
+    #[inline(always)]
+    fn mul(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+
+    #[inline(always)]
+    fn hsum<const R: usize>(self, v: [[f32; 8]; R]) -> [f32; R] {
+        v.map(|v| ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])))
+    }
+
     #[inline(always)]
     fn fma(self, a: f32, b: f32, c: f32) -> f32 {
         a * b + c
+    }
+
+    #[inline(always)]
+    unsafe fn f16x8(self, p: *const u8) -> [f32; 8] {
+        // SAFETY: the caller guarantees 16 readable bytes.
+        let b = unsafe { p.cast::<[u8; 16]>().read_unaligned() };
+        std::array::from_fn(|i| f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32())
+    }
+
+    #[inline(always)]
+    unsafe fn i8x8(self, p: *const u8) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
+        b.map(|x| f32::from(x as i8))
+    }
+
+    #[inline(always)]
+    unsafe fn u4x8(self, p: *const u8) -> [f32; 8] {
+        // SAFETY: the caller guarantees 4 readable bytes.
+        let w = u32::from_le_bytes(unsafe { p.cast::<[u8; 4]>().read_unaligned() });
+        std::array::from_fn(|i| ((w >> (4 * i)) & 15) as f32)
+    }
+
+    #[inline(always)]
+    unsafe fn u2x8(self, p: *const u8) -> [f32; 8] {
+        // SAFETY: the caller guarantees 2 readable bytes.
+        let w = u16::from_le_bytes(unsafe { p.cast::<[u8; 2]>().read_unaligned() });
+        std::array::from_fn(|i| f32::from((w >> (2 * i)) & 3))
     }
 }
 
@@ -90,27 +188,139 @@ impl Kernel for Portable {
 pub(crate) struct Avx2(());
 
 #[cfg(target_arch = "x86_64")]
-impl Kernel for Avx2 {
-    #[inline(always)]
-    fn fma(self, a: f32, b: f32, c: f32) -> f32 {
-        a.mul_add(b, c)
-    }
+mod avx2 {
+    use std::arch::x86_64::*;
 
-    #[inline(always)]
-    fn f16_to_f32(self, src: &[u8], out: &mut [f32]) {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
-        let mut chunks = out.chunks_exact_mut(8);
-        for (o, b) in (&mut chunks).zip(src.chunks_exact(16)) {
-            // SAFETY: `Avx2` exists only where F16C was detected; `b` holds 16 bytes and `o`
-            // 8 floats, and both accesses are unaligned loads/stores.
-            unsafe {
-                let h = _mm_loadu_si128(b.as_ptr().cast::<__m128i>());
-                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_cvtph_ps(h));
+    use super::{Avx2, EXP2_MIN, EXP2_POLY, Kernel, exp2_poly};
+
+    // SAFETY (every `unsafe` block below): a value of `Avx2` exists only after AVX2, FMA and
+    // F16C were detected on this CPU (see `dispatch`); memory is accessed only where the caller
+    // of an `unsafe fn` guarantees it may be, or inside a slice whose length is checked first.
+    impl Kernel for Avx2 {
+        type V = __m256;
+
+        #[inline(always)]
+        fn splat(self, x: f32) -> __m256 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm256_set1_ps(x) }
+        }
+
+        #[inline(always)]
+        unsafe fn load_ptr(self, p: *const f32) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 8 readable floats.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+
+        #[inline(always)]
+        unsafe fn store_ptr(self, v: __m256, p: *mut f32) {
+            // SAFETY: see the module note; the caller guarantees 8 writable floats.
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+
+        #[inline(always)]
+        fn fmadd(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+
+        #[inline(always)]
+        fn mul(self, a: __m256, b: __m256) -> __m256 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+
+        #[inline(always)]
+        fn hsum<const R: usize>(self, v: [__m256; R]) -> [f32; R] {
+            let mut out = [0f32; R];
+            for (o, s) in out.iter_mut().zip(v) {
+                // SAFETY: see the module note; register-only.
+                *o = unsafe {
+                    let x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+                    let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+                    _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)))
+                };
+            }
+            out
+        }
+
+        #[inline(always)]
+        fn fma(self, a: f32, b: f32, c: f32) -> f32 {
+            a.mul_add(b, c)
+        }
+
+        #[inline(always)]
+        fn prefetch(self, bytes: &[u8]) {
+            for line in bytes.chunks(64) {
+                // SAFETY: a prefetch of an address inside `bytes`; it never faults.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
             }
         }
-        let done = out.len() / 8 * 8;
-        for (o, b) in out[done..].iter_mut().zip(src[done * 2..].chunks_exact(2)) {
-            *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+
+        #[inline(always)]
+        unsafe fn f16x8(self, p: *const u8) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 16 readable bytes.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+
+        #[inline(always)]
+        unsafe fn i8x8(self, p: *const u8) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes.
+            unsafe {
+                let b = _mm_loadl_epi64(p.cast());
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn u4x8(self, p: *const u8) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 4 readable bytes.
+            unsafe {
+                let word = p.cast::<u32>().read_unaligned();
+                let lanes = _mm256_srlv_epi32(
+                    _mm256_set1_epi32(word as i32),
+                    _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+                );
+                _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(15)))
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn u2x8(self, p: *const u8) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 2 readable bytes.
+            unsafe {
+                let word = p.cast::<u16>().read_unaligned();
+                let lanes = _mm256_srlv_epi32(
+                    _mm256_set1_epi32(i32::from(word)),
+                    _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+                );
+                _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(3)))
+            }
+        }
+
+        #[inline(always)]
+        fn exp2_in_place(self, xs: &mut [f32]) {
+            let mut chunks = xs.chunks_exact_mut(8);
+            for x8 in &mut chunks {
+                // SAFETY: see the module note; `x8` holds exactly 8 floats.
+                unsafe {
+                    let x = _mm256_loadu_ps(x8.as_ptr());
+                    let keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP2_MIN), _CMP_GE_OQ);
+                    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP2_MIN));
+                    let i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    let f = _mm256_sub_ps(x, i);
+                    let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+                    for &c in &EXP2_POLY[1..] {
+                        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+                    }
+                    let y = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.0));
+                    let e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
+                    let y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e));
+                    _mm256_storeu_ps(x8.as_mut_ptr(), _mm256_and_ps(y, keep));
+                }
+            }
+            for x in chunks.into_remainder() {
+                *x = exp2_poly(self, *x);
+            }
         }
     }
 }
@@ -120,7 +330,8 @@ pub(crate) trait KernelFn<R> {
     fn call<K: Kernel>(self, k: K) -> R;
 }
 
-/// Runs `f` with the fastest arithmetic this CPU supports.
+/// Runs `f` with the fastest arithmetic this CPU supports (`HIPKV_CPU_SIMD=portable` forces the
+/// portable one, which the tests use to check both).
 #[inline]
 pub(crate) fn dispatch<R, F: KernelFn<R>>(f: F) -> R {
     #[cfg(target_arch = "x86_64")]
@@ -129,54 +340,128 @@ pub(crate) fn dispatch<R, F: KernelFn<R>>(f: F) -> R {
         fn with_avx2<R, F: KernelFn<R>>(f: F) -> R {
             f.call(Avx2(()))
         }
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            // SAFETY: the features `with_avx2` enables were detected on this CPU just above.
+        if avx2_enabled() {
+            // SAFETY: `avx2_enabled` checked that this CPU has what `with_avx2` enables.
             return unsafe { with_avx2(f) };
         }
     }
     f.call(Portable)
 }
 
+/// Whether the AVX2/FMA/F16C kernels run here (detected once).
+pub fn avx2_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::env::var("HIPKV_CPU_SIMD").as_deref() != Ok("portable")
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    struct Both;
-    impl KernelFn<(f32, Vec<f32>, Vec<f32>)> for Both {
-        fn call<K: Kernel>(self, k: K) -> (f32, Vec<f32>, Vec<f32>) {
-            let a: Vec<f32> = (0..72).map(|i| i as f32 * 0.25 - 3.0).collect();
-            let b: Vec<f32> = (0..72).map(|i| (i % 7) as f32).collect();
+    /// Every primitive on fixed inputs, for comparing the two implementations.
+    struct Primitives;
+    impl KernelFn<Vec<f32>> for Primitives {
+        fn call<K: Kernel>(self, k: K) -> Vec<f32> {
+            let a: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+            let b: Vec<f32> = (0..8).map(|i| (i % 3) as f32 + 0.5).collect();
             let halves: Vec<u8> = a
                 .iter()
                 .flat_map(|x| f16::from_f32(*x).to_le_bytes())
                 .collect();
-            let mut h = vec![0f32; 72];
-            k.f16_to_f32(&halves, &mut h);
-            let mut u = vec![0f32; 8];
-            k.unpack_affine(
-                LowBits::Two,
-                &[0b11_10_01_00, 0b00_01_10_11],
-                2.0,
+            let bytes = [0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a];
+            let mut out = Vec::new();
+            let mut buf = [0f32; 8];
+            // SAFETY: `a` and `b` hold 8 floats each.
+            let (va, vb) = unsafe { (k.load_ptr(a.as_ptr()), k.load_ptr(b.as_ptr())) };
+            for v in [
+                k.fmadd(va, vb, k.splat(0.5)),
+                k.mul(va, vb),
+                // SAFETY: `halves` holds 16 bytes, `bytes` 8.
+                unsafe { k.f16x8(halves.as_ptr()) },
+                unsafe { k.i8x8(bytes.as_ptr()) },
+                unsafe { k.u4x8(bytes.as_ptr()) },
+                unsafe { k.u2x8(bytes.as_ptr()) },
+            ] {
+                k.store(v, &mut buf);
+                out.extend(buf);
+            }
+            out.extend(k.hsum([va, vb]));
+            let mut e = vec![
+                -0.5f32,
+                -3.0,
+                0.0,
+                f32::NEG_INFINITY,
+                -7.25,
                 -1.0,
-                &mut u,
-            );
-            (k.dot(&a, &b), h, u)
+                -2.5,
+                -0.1,
+                -9.0,
+            ];
+            k.exp2_in_place(&mut e);
+            out.extend(e);
+            out
         }
     }
 
     #[test]
-    fn dispatched_and_portable_kernels_agree() {
-        let (dot, h, u) = dispatch(Both);
-        let (dot_p, h_p, u_p) = Both.call(Portable);
-        assert_eq!(h, h_p);
-        assert_eq!(u, u_p);
-        assert_eq!(u, vec![-1.0, 1.0, 3.0, 5.0, 5.0, 3.0, 1.0, -1.0]);
-        let exact: f64 = (0..72)
-            .map(|i| (i as f64 * 0.25 - 3.0) * (i % 7) as f64)
-            .sum();
-        assert!((f64::from(dot) - exact).abs() < 1e-3 && (f64::from(dot_p) - exact).abs() < 1e-3);
+    fn dispatched_and_portable_primitives_agree() {
+        let fast = dispatch(Primitives);
+        let portable = Primitives.call(Portable);
+        for (i, (f, p)) in fast.iter().zip(&portable).enumerate() {
+            assert!(
+                (f - p).abs() <= 1e-6 * p.abs().max(1.0),
+                "value {i}: {f} vs {p}"
+            );
+        }
+        // Decoded codes: int8, then 4-bit and 2-bit, low bits first.
+        assert_eq!(
+            &portable[24..32],
+            &[16.0, -14.0, 127.0, -128.0, 1.0, -1.0, 0.0, 90.0]
+        );
+        assert_eq!(
+            &portable[32..40],
+            &[0.0, 1.0, 2.0, 15.0, 15.0, 7.0, 0.0, 8.0]
+        );
+        assert_eq!(&portable[40..48], &[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 3.0, 3.0]);
+    }
+
+    struct Exp2(Vec<f32>);
+    impl KernelFn<Vec<f32>> for Exp2 {
+        fn call<K: Kernel>(mut self, k: K) -> Vec<f32> {
+            k.exp2_in_place(&mut self.0);
+            self.0
+        }
+    }
+
+    #[test]
+    fn exp2_is_accurate_on_the_softmax_range() {
+        let xs: Vec<f32> = (0..20_001).map(|i| -(i as f32) * 0.006_25).collect();
+        for got in [dispatch(Exp2(xs.clone())), Exp2(xs.clone()).call(Portable)] {
+            for (&x, &y) in xs.iter().zip(&got) {
+                let want = f64::from(x).exp2();
+                let rel = ((f64::from(y) - want) / want).abs();
+                assert!(rel < 2e-7, "2^{x}: {y} vs {want} (rel {rel:e})");
+            }
+        }
+        let special = dispatch(Exp2(vec![
+            f32::NEG_INFINITY,
+            -200.0,
+            0.0,
+            -1.0,
+            3.0,
+            -127.5,
+            -126.0,
+        ]));
+        assert_eq!(special, vec![0.0, 0.0, 1.0, 0.5, 8.0, 0.0, 2f32.powi(-126)]);
     }
 }
