@@ -235,11 +235,23 @@ impl KvCache {
             )));
         };
         for t in std::iter::once(&k).chain(&v) {
-            if (t.heads, t.head_dim) != (h, d) {
+            if (t.heads, t.head_dim, t.lo.len(), t.hi.len()) != (h, d, h * d, h * d) {
                 return Err(Error::Shape {
-                    what: "outlier thresholds (heads × head_dim)",
+                    what: "outlier thresholds (heads × head_dim, lo and hi)",
                     expected: h * d,
-                    got: t.heads * t.head_dim,
+                    got: t.lo.len().min(t.hi.len()),
+                });
+            }
+            // A NaN or inverted range would make clipping meaningless (and panic mid-append).
+            if let Some(i) = (0..h * d).find(|&i| {
+                let (lo, hi) = (t.lo[i], t.hi[i]);
+                !(lo.is_finite() && hi.is_finite() && lo <= hi)
+            }) {
+                return Err(Error::InvalidOutlierThresholds {
+                    head: i / d,
+                    channel: i % d,
+                    lo: t.lo[i],
+                    hi: t.hi[i],
                 });
             }
         }
@@ -287,6 +299,8 @@ impl KvCache {
                 }
             }
         }
+        check_finite(Stream::K, &k, h, d)?;
+        check_finite(Stream::V, v, h, d)?;
         let kt = OutlierThresholds::calibrate(&k, h, d, o.fraction)?;
         let vt = if o.values {
             Some(OutlierThresholds::calibrate(v, h, d, o.fraction)?)
@@ -371,6 +385,8 @@ impl KvCache {
                     rope.rotate(head, len + t);
                 }
             }
+            // Rotation mixes channel pairs: a key within the f16 range may leave it.
+            check_finite(Stream::K, &k, cfg.kv_heads, cfg.head_dim)?;
         }
         let rounded = |x: &[f32]| x.iter().map(|&x| quant::round_f16(x)).collect::<Vec<f32>>();
         let (k, v) = (rounded(&k), rounded(v));

@@ -60,6 +60,15 @@ pub enum Error {
         q_len: usize,
         len: usize,
     },
+    #[error(
+        "outlier thresholds of head {head}, channel {channel} are not a finite range: [{lo}, {hi}]"
+    )]
+    InvalidOutlierThresholds {
+        head: usize,
+        channel: usize,
+        lo: f32,
+        hi: f32,
+    },
     #[error("layer {layer} has no outlier thresholds: call calibrate_outliers first")]
     OutliersNotCalibrated { layer: usize },
 }
