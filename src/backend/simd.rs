@@ -349,7 +349,7 @@ pub(crate) fn dispatch<R, F: KernelFn<R>>(f: F) -> R {
 }
 
 /// Whether the AVX2/FMA/F16C kernels run here (detected once).
-pub fn avx2_enabled() -> bool {
+pub(crate) fn avx2_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ENABLED.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

@@ -108,20 +108,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// The arithmetic the CPU backend dispatches to on this machine (the same test it makes).
-fn cpu_kernels() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            return "AVX2+FMA+F16C";
-        }
-    }
-    "portable"
-}
-
 fn info(args: &InfoArgs) -> Result<(), CliError> {
     let d = args.head_dim;
     let names: Vec<String> = PRESETS
@@ -139,8 +125,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         })
         .collect::<Result<Vec<_>, CliError>>()?;
 
-    let cpu = match cpu_kernels() {
-        "portable" => "portable kernels (AVX2/FMA/F16C not detected)".to_string(),
+    let cpu = match hipkv::backend::cpu_kernels() {
+        "portable" => "portable kernels (no AVX2/FMA/F16C, or HIPKV_CPU_SIMD=portable)".to_string(),
         k => format!("{k} kernels"),
     };
     println!("hipkv {}\n", env!("CARGO_PKG_VERSION"));
@@ -309,7 +295,7 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
 
     let report = Report {
         shape,
-        cpu_kernels: cpu_kernels(),
+        cpu_kernels: hipkv::backend::cpu_kernels(),
         min_time_s: args.min_time,
         memcpy,
         rows,
