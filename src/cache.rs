@@ -388,8 +388,7 @@ impl KvCache {
             // Rotation mixes channel pairs: a key within the f16 range may leave it.
             check_finite(Stream::K, &k, cfg.kv_heads, cfg.head_dim)?;
         }
-        let rounded = |x: &[f32]| x.iter().map(|&x| quant::round_f16(x)).collect::<Vec<f32>>();
-        let (k, v) = (rounded(&k), rounded(v));
+        let (k, v) = (quant::round_f16_slice(&k), quant::round_f16_slice(v));
         for t in 0..n {
             let row = t * width..(t + 1) * width;
             self.append_token(layer, seq, &k[row.clone()], &v[row]);

@@ -23,6 +23,8 @@ pub const Q8_0_BLOCK: usize = 32;
 pub const Q8_0_BLOCK_BYTES: usize = 34;
 /// Head dimensions the cache and kernels support.
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// The largest of [`HEAD_DIMS`].
+pub const MAX_HEAD_DIM: usize = 256;
 /// Token group sizes (page sizes) a scheme may use.
 pub const GROUP_TOKENS: [usize; 2] = [32, 64];
 /// Channel group sizes a per-token low-bit format may use (besides the whole head).

@@ -118,7 +118,7 @@ pub fn quantize_row(format: Format, x: &[f32], row: &mut [u8], params: &mut [u8]
         }
         Format::Tok { bits, group } => {
             let g = group.size(d);
-            let mut codes = vec![0u8; d];
+            let mut codes = [0u8; crate::scheme::MAX_HEAD_DIM];
             for (gi, xs) in x.chunks_exact(g).enumerate() {
                 let (lo, hi) = min_max(xs);
                 let (scale, min) = asym_params(lo, hi, bits);
@@ -128,7 +128,7 @@ pub fn quantize_row(format: Format, x: &[f32], row: &mut [u8], params: &mut [u8]
                     *c = asym_code(v, scale, min, bits);
                 }
             }
-            pack_codes(&codes, bits, row);
+            pack_codes(&codes[..d], bits, row);
         }
         Format::Chan { .. } => unreachable!("per-channel formats quantize whole groups"),
     }
@@ -225,6 +225,16 @@ fn min_max(xs: &[f32]) -> (f32, f32) {
 #[inline(always)]
 pub fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
+}
+
+/// [`round_f16`] over a slice, with the CPU's f16 conversion instructions where it has them.
+pub fn round_f16_slice(x: &[f32]) -> Vec<f32> {
+    use half::slice::HalfFloatSliceExt;
+    let mut halves = vec![f16::ZERO; x.len()];
+    halves.convert_from_f32_slice(x);
+    let mut out = vec![0f32; x.len()];
+    halves.convert_to_f32_slice(&mut out);
+    out
 }
 
 #[cfg(test)]
