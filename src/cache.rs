@@ -547,16 +547,21 @@ impl KvCache {
             return Err(Error::BadSoftmaxScale(softmax_scale));
         }
         let lay = &self.layers[layer];
-        let view = cpu::CacheView {
-            config: cfg,
-            layout: &self.layout,
-            page_bytes: self.page_bytes,
-            pool: &lay.pool,
-            rope: self.rope.as_ref(),
-        };
+        let view = self.view(layer);
         let seqs: Vec<&SeqState> = queries.iter().map(|q| &lay.seqs[q.seq]).collect();
         cpu::attend(&view, &seqs, queries, softmax_scale);
         Ok(())
+    }
+
+    /// The attention backend's read-only view of one layer.
+    fn view(&self, layer: usize) -> cpu::CacheView<'_> {
+        cpu::CacheView {
+            config: &self.config,
+            layout: &self.layout,
+            page_bytes: self.page_bytes,
+            pool: &self.layers[layer].pool,
+            rope: self.rope.as_ref(),
+        }
     }
 
     /// Dequantizes everything stored for `seq` in `layer`: `(k, v)`, each
@@ -568,13 +573,7 @@ impl KvCache {
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let lay = &self.layers[layer];
         let s = &lay.seqs[seq];
-        let view = cpu::CacheView {
-            config: cfg,
-            layout: &self.layout,
-            page_bytes: self.page_bytes,
-            pool: &lay.pool,
-            rope: self.rope.as_ref(),
-        };
+        let view = self.view(layer);
         let mut k = vec![0f32; s.len * h * d];
         let mut v = vec![0f32; s.len * h * d];
         for head in 0..h {
