@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the toolchain that compiles hipkv's HIP kernels for AMD gfx1201 (RDNA4) on Debian 12,
-# on machines with no GPU (docs/design.md, "The gfx1201 toolchain on Debian 12").
+# on machines with no GPU; docs/toolchain.md says what was verified with it.
 #
 # Debian's hipcc 5.2 drives clang-15, which predates gfx1201, so kernels are compiled with
 # Debian's clang-19 against Debian's HIP 5.2 headers and ROCm 5.2 device libraries. Those device
