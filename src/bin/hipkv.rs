@@ -136,9 +136,11 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         rayon::current_num_threads()
     );
     println!(
-        "  hip  unavailable  this build has no HIP kernels yet (built without a HIP compiler)"
+        "  hip  unavailable  this build has no HIP kernels yet (none are written; see README status)"
     );
-    println!("  emu  unavailable  this build has no SIMT emulator yet (hip/emu is not built)");
+    println!(
+        "  emu  unavailable  this build has no SIMT emulator yet (none is written; see README status)"
+    );
 
     let f16_bytes = Scheme::uniform(Format::F16).bytes_per_token(d);
     let w = names.iter().map(String::len).max().unwrap_or(0).max(6);
