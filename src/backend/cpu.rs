@@ -728,6 +728,34 @@ impl StreamBlock<'_> {
     }
 }
 
+/// Walks `$total` query rows in register-blocked groups of 4, then 2, then 1, binding `$r0` to
+/// each group's first row and the constant `$qr` to its size; `$body` handles those rows.
+macro_rules! for_row_groups {
+    ($total:expr, |$r0:ident, $qr:ident| $body:expr) => {{
+        let total = $total;
+        let mut $r0 = 0;
+        while $r0 < total {
+            match total - $r0 {
+                1 => {
+                    const $qr: usize = 1;
+                    $body;
+                    $r0 += $qr;
+                }
+                2 | 3 => {
+                    const $qr: usize = 2;
+                    $body;
+                    $r0 += $qr;
+                }
+                _ => {
+                    const $qr: usize = 4;
+                    $body;
+                    $r0 += $qr;
+                }
+            }
+        }
+    }};
+}
+
 /// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
 /// rows per pass so each key row is decoded once per four query rows.
 #[inline(always)]
@@ -740,15 +768,9 @@ fn score_block<K: Kernel, R: Rows>(
     scores: &mut [f32],
     g: usize,
 ) {
-    let total = q.len() / d;
-    let mut r0 = 0;
-    while r0 < total {
-        r0 += match total - r0 {
-            1 => score_rows::<K, R, 1>(k, rows, n, d, q, r0, scores, g),
-            2 | 3 => score_rows::<K, R, 2>(k, rows, n, d, q, r0, scores, g),
-            _ => score_rows::<K, R, 4>(k, rows, n, d, q, r0, scores, g),
-        };
-    }
+    for_row_groups!(q.len() / d, |r0, QR| score_rows::<K, R, QR>(
+        k, rows, n, d, q, r0, scores, g
+    ));
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -762,7 +784,7 @@ fn score_rows<K: Kernel, R: Rows, const QR: usize>(
     r0: usize,
     scores: &mut [f32],
     g: usize,
-) -> usize {
+) {
     assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(8) && n <= g);
     let qp = q.as_ptr();
     for t in 0..n {
@@ -781,7 +803,6 @@ fn score_rows<K: Kernel, R: Rows, const QR: usize>(
             scores[(r0 + j) * g + t] = s;
         }
     }
-    QR
 }
 
 /// `acc += Σ_t w[t] · value[t]` for up to four query rows, eight channels at a time with the
@@ -796,15 +817,9 @@ fn accumulate_block<K: Kernel, R: Rows>(
     g: usize,
     acc: &mut [f32],
 ) {
-    let total = acc.len() / d;
-    let mut r0 = 0;
-    while r0 < total {
-        r0 += match total - r0 {
-            1 => accumulate_rows::<K, R, 1>(k, rows, n, d, w, g, r0, acc),
-            2 | 3 => accumulate_rows::<K, R, 2>(k, rows, n, d, w, g, r0, acc),
-            _ => accumulate_rows::<K, R, 4>(k, rows, n, d, w, g, r0, acc),
-        };
-    }
+    for_row_groups!(acc.len() / d, |r0, QR| {
+        accumulate_rows::<K, R, QR>(k, rows, n, d, w, g, r0, acc)
+    });
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -818,7 +833,7 @@ fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
     g: usize,
     r0: usize,
     acc: &mut [f32],
-) -> usize {
+) {
     assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
     assert!(d.is_multiple_of(8));
     let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
@@ -842,7 +857,6 @@ fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
             }
         }
     }
-    QR
 }
 
 /// Writes the first `n` dequantized rows into `out` (`n × d`).
