@@ -451,11 +451,13 @@ fn run_item<K: Kernel>(
             with_rows!(k, block.k, n, params, |rows| {
                 score_block(k, &rows, n, d, &hq.rows, &mut scores, g);
                 // Sparse outliers: correct each score by q·(exact − dense).
-                for t in 0..n {
-                    for (c, x) in block.k.outliers(t) {
-                        let delta = x - dense_value(k, &rows, t, c);
-                        for r in 0..hq.pos.len() {
-                            scores[r * g + t] += hq.rows[r * d + c] * delta;
+                if block.k.outliers.is_some() {
+                    for t in 0..n {
+                        for (c, x) in block.k.outliers(t) {
+                            let delta = x - dense_value(k, &rows, t, c);
+                            for r in 0..hq.pos.len() {
+                                scores[r * g + t] += hq.rows[r * d + c] * delta;
+                            }
                         }
                     }
                 }
@@ -464,11 +466,13 @@ fn run_item<K: Kernel>(
         softmax_block(k, hq, block.first_pos, n, &mut scores, g, d, &mut part);
         with_rows!(k, block.v, n, params, |rows| {
             accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc);
-            for t in 0..n {
-                for (c, x) in block.v.outliers(t) {
-                    let delta = x - dense_value(k, &rows, t, c);
-                    for r in 0..hq.pos.len() {
-                        part.acc[r * d + c] += scores[r * g + t] * delta;
+            if block.v.outliers.is_some() {
+                for t in 0..n {
+                    for (c, x) in block.v.outliers(t) {
+                        let delta = x - dense_value(k, &rows, t, c);
+                        for r in 0..hq.pos.len() {
+                            part.acc[r * d + c] += scores[r * g + t] * delta;
+                        }
                     }
                 }
             }
@@ -773,6 +777,8 @@ fn score_block<K: Kernel, R: Rows>(
     ));
 }
 
+/// Scores tokens two at a time so each query load feeds two keys and the `2 × QR` dot
+/// products form independent FMA chains (one chain per accumulator stalls on FMA latency).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn score_rows<K: Kernel, R: Rows, const QR: usize>(
@@ -786,21 +792,58 @@ fn score_rows<K: Kernel, R: Rows, const QR: usize>(
     g: usize,
 ) {
     assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(8) && n <= g);
+    assert!(scores.len() >= (r0 + QR) * g);
+    let mut t = 0;
+    while t + 2 <= n {
+        score_tokens::<K, R, QR, 2>(k, rows, d, q, r0, t, scores, g);
+        t += 2;
+    }
+    if t < n {
+        score_tokens::<K, R, QR, 1>(k, rows, d, q, r0, t, scores, g);
+    }
+}
+
+/// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
+/// that the rows, tokens and scores are in range.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
+    k: K,
+    rows: &R,
+    d: usize,
+    q: &[f32],
+    r0: usize,
+    t0: usize,
+    scores: &mut [f32],
+    g: usize,
+) {
     let qp = q.as_ptr();
-    for t in 0..n {
-        let mut acc = [k.splat(0.0); QR];
-        for c in (0..d).step_by(8) {
-            // SAFETY: `t < n` and `c + 8 <= d` (the rows' contract); query row `r0 + j` lies
-            // within `q` by the assert above.
-            unsafe {
-                let key = rows.row8(k, t, c);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = k.fmadd(k.load_ptr(qp.add((r0 + j) * d + c)), key, *a);
+    let mut acc = [[k.splat(0.0); QR]; TT];
+    for c in (0..d).step_by(8) {
+        // SAFETY: `t0 + TT <= n` and `c + 8 <= d` (the rows' contract); query row `r0 + j`
+        // lies within `q` (checked by `score_rows`).
+        unsafe {
+            let keys: [K::V; TT] = std::array::from_fn(|i| rows.row8(k, t0 + i, c));
+            for j in 0..QR {
+                let qv = k.load_ptr(qp.add((r0 + j) * d + c));
+                for (acc, key) in acc.iter_mut().zip(keys) {
+                    acc[j] = k.fmadd(qv, key, acc[j]);
                 }
             }
         }
-        for (j, s) in k.hsum(acc).into_iter().enumerate() {
-            scores[(r0 + j) * g + t] = s;
+    }
+    const { assert!(QR * TT <= 8) };
+    let mut all = [k.splat(0.0); 8];
+    for (i, acc) in acc.iter().enumerate() {
+        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
+    }
+    let sums = k.hsum8(all);
+    let sp = scores.as_mut_ptr();
+    for i in 0..TT {
+        for j in 0..QR {
+            // SAFETY: `score_rows` checked `scores.len() >= (r0 + QR)·g`, and
+            // `t0 + i < n <= g`.
+            unsafe { *sp.add((r0 + j) * g + t0 + i) = sums[i * QR + j] };
         }
     }
 }
@@ -822,6 +865,8 @@ fn accumulate_block<K: Kernel, R: Rows>(
     });
 }
 
+/// Sixteen channels per pass: each weight broadcast feeds two FMAs and the `2 × QR`
+/// accumulators are independent chains across the tokens.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
@@ -835,25 +880,32 @@ fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
     acc: &mut [f32],
 ) {
     assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
-    assert!(d.is_multiple_of(8));
+    assert!(d.is_multiple_of(16));
     let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
-    for c in (0..d).step_by(8) {
+    for c in (0..d).step_by(16) {
         // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in `w`
-        // and accumulator `(r0 + j)·d + c .. + 8` in `acc`; `t < n`, `c + 8 <= d` is the
+        // and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c + 16 <= d` is the
         // rows' contract.
         unsafe {
-            let mut a = [k.splat(0.0); QR];
+            let mut a = [[k.splat(0.0); 2]; QR];
             for (j, a) in a.iter_mut().enumerate() {
-                *a = k.load_ptr(ap.add((r0 + j) * d + c));
+                for (h, a) in a.iter_mut().enumerate() {
+                    *a = k.load_ptr(ap.add((r0 + j) * d + c + 8 * h));
+                }
             }
             for t in 0..n {
-                let value = rows.row8(k, t, c);
+                let value = [rows.row8(k, t, c), rows.row8(k, t, c + 8)];
                 for (j, a) in a.iter_mut().enumerate() {
-                    *a = k.fmadd(k.splat(*wp.add((r0 + j) * g + t)), value, *a);
+                    let wt = k.splat(*wp.add((r0 + j) * g + t));
+                    for (a, v) in a.iter_mut().zip(value) {
+                        *a = k.fmadd(wt, v, *a);
+                    }
                 }
             }
             for (j, a) in a.into_iter().enumerate() {
-                k.store_ptr(a, ap.add((r0 + j) * d + c));
+                for (h, a) in a.into_iter().enumerate() {
+                    k.store_ptr(a, ap.add((r0 + j) * d + c + 8 * h));
+                }
             }
         }
     }

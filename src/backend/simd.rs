@@ -31,8 +31,9 @@ pub(crate) trait Kernel: Copy {
     /// `a * b + c`, fused where the CPU can.
     fn fmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
-    /// Sum of the lanes of each vector.
-    fn hsum<const R: usize>(self, v: [Self::V; R]) -> [f32; R];
+    /// Sum of the lanes of each of eight vectors, each as
+    /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
+    fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
     /// Scalar `a * b + c`, fused where the CPU can (never a slow software FMA).
     fn fma(self, a: f32, b: f32, c: f32) -> f32;
 
@@ -144,8 +145,8 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
-    fn hsum<const R: usize>(self, v: [[f32; 8]; R]) -> [f32; R] {
-        v.map(|v| ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])))
+    fn hsum8(self, v: [[f32; 8]; 8]) -> [f32; 8] {
+        v.map(|v| ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])))
     }
 
     #[inline(always)]
@@ -230,17 +231,22 @@ mod avx2 {
         }
 
         #[inline(always)]
-        fn hsum<const R: usize>(self, v: [__m256; R]) -> [f32; R] {
-            let mut out = [0f32; R];
-            for (o, s) in out.iter_mut().zip(v) {
-                // SAFETY: see the module note; register-only.
-                *o = unsafe {
-                    let x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-                    let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-                    _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)))
-                };
+        fn hsum8(self, v: [__m256; 8]) -> [f32; 8] {
+            // SAFETY: see the module note; register-only. Two rounds of pairwise adds leave
+            // each vector's low-half sum in the low lanes and its high-half sum in the high
+            // lanes; one cross-lane add finishes all eight.
+            unsafe {
+                let h = |a, b| _mm256_hadd_ps(a, b);
+                let lo4 = h(h(v[0], v[1]), h(v[2], v[3]));
+                let hi4 = h(h(v[4], v[5]), h(v[6], v[7]));
+                let sums = _mm256_add_ps(
+                    _mm256_permute2f128_ps(lo4, hi4, 0x20),
+                    _mm256_permute2f128_ps(lo4, hi4, 0x31),
+                );
+                let mut out = [0f32; 8];
+                _mm256_storeu_ps(out.as_mut_ptr(), sums);
+                out
             }
-            out
         }
 
         #[inline(always)]
@@ -250,9 +256,10 @@ mod avx2 {
 
         #[inline(always)]
         fn prefetch(self, bytes: &[u8]) {
-            for line in bytes.chunks(64) {
+            let p = bytes.as_ptr();
+            for at in (0..bytes.len()).step_by(64) {
                 // SAFETY: a prefetch of an address inside `bytes`; it never faults.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at).cast()) }
             }
         }
 
@@ -395,7 +402,8 @@ mod tests {
                 k.store(v, &mut buf);
                 out.extend(buf);
             }
-            out.extend(k.hsum([va, vb]));
+            let (one, prod) = (k.splat(1.0), k.mul(va, vb));
+            out.extend(k.hsum8([va, vb, prod, one, vb, prod, va, one]));
             let mut e = vec![
                 -0.5f32,
                 -3.0,
