@@ -1,23 +1,236 @@
-//! Build script. hipkv will compile its HIP kernels here (for every arch in `HIPKV_ARCHS`) and
-//! embed the code objects; this version has no kernels yet, so it builds the CPU backend only and
-//! says so. It already follows the contract the GPU build will keep: everything it reads is
-//! declared for rerun, docs.rs builds (`DOCS_RS`) never touch device code, and
-//! `HIPKV_REQUIRE_HIP=1` turns "no GPU build" into an error instead of a warning.
+//! Build script: compiles the HIP kernels in `hip/` for every AMD arch in `HIPKV_ARCHS` and embeds
+//! the code objects, and compiles the same sources for the host as the SIMT emulator (`hip/emu`).
+//!
+//! - The GPU compiler is found as `../shared/design.md` orders it: `HIPCC`, `ROCM_PATH` /
+//!   `HIP_PATH` (`bin/hipcc`), `hipconfig --path`, `/opt/rocm/bin/hipcc`, `hipcc` on `PATH`, or a
+//!   clang++ with HIP support named by `HIPKV_CLANG` (with `HIPKV_DEVLIB_DIR` for its device
+//!   libraries; `scripts/install-hip-toolchain.sh` sets both up on Debian 12).
+//! - No GPU compiler: the crate builds with the CPU backend and the emulator, and says so;
+//!   `HIPKV_REQUIRE_HIP=1` makes that an error, as does a compiler that fails.
+//! - `DOCS_RS`: no device code at all.
 
-use std::process::ExitCode;
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// Kernel sources, compiled for the GPU and for the emulator.
+const KERNEL_SOURCES: &[&str] = &["hip/attention.hip"];
+/// Headers every kernel includes.
+const HEADERS: &[&str] = &[
+    "hip/include/hipkv_abi.h",
+    "hip/include/hipkv_device.h",
+    "hip/include/formats.h",
+    "hip/emu/emu.h",
+];
+/// Host sources of the emulator itself.
+const EMU_SOURCES: &[&str] = &["hip/emu/emu.cpp", "hip/emu/formats_ffi.cpp"];
+
+const ENV_VARS: &[&str] = &[
+    "DOCS_RS",
+    "HIPKV_REQUIRE_HIP",
+    "HIPKV_ARCHS",
+    "GPU_TARGETS",
+    "AMDGPU_TARGETS",
+    "HIPCC",
+    "ROCM_PATH",
+    "HIP_PATH",
+    "HIPKV_CLANG",
+    "HIPKV_DEVLIB_DIR",
+    "PATH",
+];
 
 fn main() -> ExitCode {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=DOCS_RS");
-    println!("cargo:rerun-if-env-changed=HIPKV_REQUIRE_HIP");
-    if std::env::var_os("DOCS_RS").is_some() {
+    for path in KERNEL_SOURCES.iter().chain(HEADERS).chain(EMU_SOURCES) {
+        println!("cargo:rerun-if-changed={path}");
+    }
+    for var in ENV_VARS {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo::rustc-check-cfg=cfg(hipkv_emu)");
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    if env::var_os("DOCS_RS").is_some() {
+        write_code_objects(&out, &[], Some("docs.rs build: no device code"));
         return ExitCode::SUCCESS;
     }
-    let reason = "this version of hipkv has no HIP kernels yet";
-    if std::env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1") {
-        eprintln!("error: HIPKV_REQUIRE_HIP=1 but no GPU code can be built: {reason}");
-        return ExitCode::FAILURE;
+
+    build_emulator();
+
+    let require = env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1");
+    let archs = archs();
+    let built = match find_compiler() {
+        Err(why) => Err(why),
+        Ok(compiler) => archs
+            .iter()
+            .map(|arch| compile_for(&compiler, arch, &out).map(|path| (arch.clone(), path)))
+            .collect::<Result<Vec<_>, _>>(),
+    };
+    match built {
+        Ok(objects) => {
+            write_code_objects(&out, &objects, None);
+            ExitCode::SUCCESS
+        }
+        Err(why) if require => {
+            eprintln!("error: HIPKV_REQUIRE_HIP=1 but the GPU kernels were not built: {why}");
+            ExitCode::FAILURE
+        }
+        Err(why) => {
+            println!(
+                "cargo:warning=hipkv: GPU kernels not built ({why}); CPU and emulator backends only"
+            );
+            write_code_objects(&out, &[], Some(&why));
+            ExitCode::SUCCESS
+        }
     }
-    println!("cargo:warning=hipkv: building the CPU backend only ({reason})");
-    ExitCode::SUCCESS
+}
+
+/// The archs to build: `HIPKV_ARCHS`, else `GPU_TARGETS`, else `AMDGPU_TARGETS`, else gfx1201;
+/// separated by commas or semicolons.
+fn archs() -> Vec<String> {
+    let list = ["HIPKV_ARCHS", "GPU_TARGETS", "AMDGPU_TARGETS"]
+        .iter()
+        .find_map(|v| env::var(v).ok().filter(|s| !s.trim().is_empty()))
+        .unwrap_or_else(|| "gfx1201".into());
+    list.split([',', ';'])
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// A HIP-capable compiler: `hipcc`, or a plain clang++ driven with `-x hip`.
+struct Compiler {
+    program: PathBuf,
+    /// Extra arguments (device library path for a plain clang).
+    args: Vec<String>,
+}
+
+fn find_compiler() -> Result<Compiler, String> {
+    let mut tried = Vec::new();
+    let hipcc = |p: PathBuf| Compiler {
+        program: p,
+        args: Vec::new(),
+    };
+    if let Some(p) = env::var_os("HIPCC") {
+        return Ok(hipcc(p.into()));
+    }
+    if let Ok(clang) = env::var("HIPKV_CLANG") {
+        let mut args = Vec::new();
+        if let Ok(dir) = env::var("HIPKV_DEVLIB_DIR") {
+            args.push(format!("--rocm-device-lib-path={dir}"));
+        }
+        return Ok(Compiler {
+            program: clang.into(),
+            args,
+        });
+    }
+    for var in ["ROCM_PATH", "HIP_PATH"] {
+        if let Some(root) = env::var_os(var) {
+            let p = Path::new(&root).join("bin/hipcc");
+            if p.is_file() {
+                return Ok(hipcc(p));
+            }
+            tried.push(format!("{var}: {} missing", p.display()));
+        }
+    }
+    if let Ok(o) = Command::new("hipconfig").arg("--path").output()
+        && o.status.success()
+    {
+        let p = Path::new(String::from_utf8_lossy(&o.stdout).trim()).join("bin/hipcc");
+        if p.is_file() {
+            return Ok(hipcc(p));
+        }
+        tried.push(format!("hipconfig: {} missing", p.display()));
+    }
+    let rocm = Path::new("/opt/rocm/bin/hipcc");
+    if rocm.is_file() {
+        return Ok(hipcc(rocm.into()));
+    }
+    tried.push("/opt/rocm/bin/hipcc missing".into());
+    if Command::new("hipcc").arg("--version").output().is_ok() {
+        return Ok(hipcc("hipcc".into()));
+    }
+    tried.push("no hipcc on PATH".into());
+    tried.push("HIPKV_CLANG unset (scripts/install-hip-toolchain.sh prints it)".into());
+    Err(format!("no HIP compiler found: {}", tried.join("; ")))
+}
+
+/// Compiles every kernel source device-only for `arch` into one code object per source, and
+/// returns them bundled as one list of paths joined by the caller.
+fn compile_for(compiler: &Compiler, arch: &str, out: &Path) -> Result<Vec<PathBuf>, String> {
+    KERNEL_SOURCES
+        .iter()
+        .map(|src| {
+            let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
+            let obj = out.join(format!("{stem}.{arch}.hsaco"));
+            let mut cmd = Command::new(&compiler.program);
+            cmd.args(["-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output"])
+                .arg(format!("--offload-arch={arch}"))
+                .args(["-O3", "-std=c++17", "-Ihip/include", "-c", src, "-o"])
+                .arg(&obj)
+                .args(&compiler.args);
+            let output = cmd
+                .output()
+                .map_err(|e| format!("cannot run {}: {e}", compiler.program.display()))?;
+            if !output.status.success() {
+                return Err(format!(
+                    "{} failed for {src} ({arch}):\n{}",
+                    compiler.program.display(),
+                    String::from_utf8_lossy(&output.stderr)
+                ));
+            }
+            Ok(obj)
+        })
+        .collect()
+}
+
+/// Writes `code_objects.rs`: the embedded code objects and, when there are none, why.
+fn write_code_objects(out: &Path, objects: &[(String, Vec<PathBuf>)], skipped: Option<&str>) {
+    let mut s = String::from("pub(crate) static CODE_OBJECTS: &[CodeObject] = &[\n");
+    for (arch, paths) in objects {
+        for path in paths {
+            let source = path.file_name().unwrap().to_string_lossy();
+            writeln!(
+                s,
+                "    CodeObject {{ arch: {arch:?}, source: {source:?}, bytes: include_bytes!({:?}) }},",
+                path.display()
+            )
+            .unwrap();
+        }
+    }
+    s.push_str("];\n");
+    writeln!(s, "pub(crate) static SKIPPED: Option<&str> = {skipped:?};").unwrap();
+    fs::write(out.join("code_objects.rs"), s).expect("write code_objects.rs");
+}
+
+/// The emulator: the kernel sources compiled for the host with `HIPKV_EMU`, plus its runtime.
+fn build_emulator() {
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .std("c++17")
+        .include("hip/include")
+        .define("HIPKV_EMU", None)
+        .opt_level(2)
+        .warnings(true)
+        .extra_warnings(true)
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-fno-exceptions");
+    for src in EMU_SOURCES {
+        build.file(src);
+    }
+    for src in KERNEL_SOURCES {
+        // `.hip` files are C++ for the host compiler.
+        build.file(src).flag_if_supported("-xc++");
+    }
+    // Kernels register themselves with the emulator from static initializers and nothing else
+    // refers to them, so the whole archive is linked, not just the objects Rust calls into.
+    build.cargo_metadata(false).compile("hipkv_emu");
+    let out = env::var("OUT_DIR").expect("cargo sets OUT_DIR");
+    println!("cargo:rustc-link-search=native={out}");
+    println!("cargo:rustc-link-lib=static:+whole-archive=hipkv_emu");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+    println!("cargo:rustc-cfg=hipkv_emu");
 }

@@ -8,7 +8,7 @@
 
 use half::f16;
 
-use crate::backend::cpu;
+use crate::backend::{Backend, cpu};
 use crate::error::{Error, Result};
 use crate::quant::{self, OutlierThresholds, put_f16};
 use crate::rope::{Rope, RopeTable};
@@ -109,6 +109,7 @@ pub struct KvCache {
     layers: Vec<Layer>,
     rope: Option<RopeTable>,
     outliers_dropped: u64,
+    backend: Backend,
 }
 
 fn stream_index(stream: Stream) -> usize {
@@ -156,6 +157,7 @@ impl KvCache {
             layout,
             page_bytes,
             outliers_dropped: 0,
+            backend: Backend::Cpu,
         })
     }
 
@@ -549,8 +551,23 @@ impl KvCache {
         let lay = &self.layers[layer];
         let view = self.view(layer);
         let seqs: Vec<&SeqState> = queries.iter().map(|q| &lay.seqs[q.seq]).collect();
-        cpu::attend(&view, &seqs, queries, softmax_scale);
-        Ok(())
+        match self.backend {
+            Backend::Cpu => {
+                cpu::attend(&view, &seqs, queries, softmax_scale);
+                Ok(())
+            }
+            Backend::Emu => crate::backend::emu_attend(&view, &seqs, queries, softmax_scale),
+        }
+    }
+
+    /// Runs attention on `backend` from now on (the CPU by default).
+    pub fn set_backend(&mut self, backend: Backend) {
+        self.backend = backend;
+    }
+
+    /// The backend attention runs on.
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     /// The attention backend's read-only view of one layer.

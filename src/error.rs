@@ -71,6 +71,8 @@ pub enum Error {
     },
     #[error("layer {layer} has no outlier thresholds: call calibrate_outliers first")]
     OutliersNotCalibrated { layer: usize },
+    #[error("kernel {kernel} failed in the emulator: {message}")]
+    Emulator { kernel: String, message: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

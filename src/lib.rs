@@ -3,14 +3,17 @@
 //! Keys and values are stored in 16, 8, 4 or 2 bits ([`Scheme`]), appended token by token to a
 //! paged [`KvCache`], and attended over without ever staging a dequantized copy of the cache.
 
+pub mod abi;
 pub mod backend;
 pub mod cache;
 pub mod error;
+pub mod kernels;
 pub mod quant;
 pub mod rope;
 pub mod scheme;
 pub mod synth;
 
+pub use backend::Backend;
 pub use cache::{CacheConfig, KvCache, Query};
 pub use error::{Error, Result};
 pub use quant::OutlierThresholds;

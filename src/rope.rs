@@ -27,6 +27,16 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// The pair layout the table rotates.
+    pub fn layout(&self) -> RopeLayout {
+        self.layout
+    }
+
+    /// `[position][pair][cos, sin]` as plain floats, the device ABI's `rope_cos_sin`.
+    pub(crate) fn flat(&self) -> Vec<f32> {
+        self.cos_sin.iter().flat_map(|&(c, s)| [c, s]).collect()
+    }
+
     pub fn new(rope: Rope, head_dim: usize, positions: usize) -> RopeTable {
         let pairs = head_dim / 2;
         let inv_freq: Vec<f64> = (0..pairs)

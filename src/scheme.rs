@@ -108,6 +108,33 @@ impl Format {
         }
     }
 
+    /// The format's number in the device ABI (`enum hipkv_format` in `hip/include/hipkv_abi.h`).
+    pub fn abi_code(self) -> u32 {
+        match self {
+            Format::F16 => 0,
+            Format::Q8 => 1,
+            Format::Q8_0 => 2,
+            Format::Tok {
+                bits: LowBits::Four,
+                ..
+            } => 3,
+            Format::Tok {
+                bits: LowBits::Two, ..
+            } => 4,
+            Format::Chan {
+                bits: LowBits::Four,
+            } => 5,
+            Format::Chan { bits: LowBits::Two } => 6,
+        }
+    }
+
+    /// The format's name in kernel names (`hipkv_attn_<key>_<value>_d<head_dim>`).
+    pub fn kernel_name(self) -> &'static str {
+        [
+            "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
+        ][self.abi_code() as usize]
+    }
+
     /// Whether tokens wait in the f16 residual window until their page is full.
     pub fn is_grouped_by_tokens(self) -> bool {
         matches!(self, Format::Chan { .. })

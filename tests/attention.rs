@@ -130,3 +130,8 @@ fn batched_sequences_of_different_lengths() {
         );
     }
 }
+
+#[test]
+fn outlier_corrections_on_heavy_tailed_data() {
+    common::check_heavy_tailed_outliers(hipkv::Backend::Cpu);
+}

@@ -16,7 +16,8 @@ fn info_lists_backends_and_every_preset() {
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("cpu  available"));
-    assert!(text.contains("hip  unavailable  this build has no HIP kernels yet"));
+    assert!(text.contains("hip  unavailable  "));
+    assert!(text.contains("emu  available    "));
     for scheme in hipkv::scheme::PRESETS
         .iter()
         .chain(&["kivi2,outliers", "kivi2,pre_rope"])

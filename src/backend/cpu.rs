@@ -180,10 +180,10 @@ struct Partial {
 
 /// The query rows of one (query, KV head): every query head of the GQA group at every chunk
 /// position, pre-rotated and pre-scaled by `softmax_scale · log2(e)`.
-struct HeadQueries {
-    rows: Vec<f32>,
+pub(crate) struct HeadQueries {
+    pub(crate) rows: Vec<f32>,
     /// Position of each row's token: it attends to positions `≤` this.
-    pos: Vec<usize>,
+    pub(crate) pos: Vec<usize>,
 }
 
 /// Work item: one (query, KV head, page range).
@@ -203,32 +203,7 @@ pub(crate) fn attend(
     let cfg = view.config;
     let (d, r) = (cfg.head_dim, cfg.gqa());
     let width = cfg.q_heads * d;
-    let prepared: Vec<Vec<HeadQueries>> = queries
-        .iter()
-        .zip(seqs)
-        .map(|(query, seq)| {
-            let q_len = query.q.len() / width;
-            (0..cfg.kv_heads)
-                .map(|h| {
-                    let mut rows = Vec::with_capacity(q_len * r * d);
-                    let mut pos = Vec::with_capacity(q_len * r);
-                    for t in 0..q_len {
-                        let p = seq.len - q_len + t;
-                        for j in 0..r {
-                            let at = t * width + (h * r + j) * d;
-                            let mut row: Vec<f32> = query.q[at..at + d].to_vec();
-                            if let Some(rope) = view.rope {
-                                rope.rotate(&mut row, p);
-                            }
-                            rows.extend(row.iter().map(|x| x * scale * std::f32::consts::LOG2_E));
-                            pos.push(p);
-                        }
-                    }
-                    HeadQueries { rows, pos }
-                })
-                .collect()
-        })
-        .collect();
+    let prepared = prepare_queries(view, seqs, queries, scale);
 
     let threads = rayon::current_num_threads();
     let items: Vec<Item> = seqs
@@ -280,6 +255,45 @@ pub(crate) fn attend(
             }
         }
     }
+}
+
+/// Every query's rows per KV head, rotated to their positions and scaled by
+/// `softmax_scale · log2(e)`: what every backend's score loop takes.
+pub(crate) fn prepare_queries(
+    view: &CacheView<'_>,
+    seqs: &[&SeqState],
+    queries: &[Query<'_>],
+    scale: f32,
+) -> Vec<Vec<HeadQueries>> {
+    let cfg = view.config;
+    let (d, r) = (cfg.head_dim, cfg.gqa());
+    let width = cfg.q_heads * d;
+    queries
+        .iter()
+        .zip(seqs)
+        .map(|(query, seq)| {
+            let q_len = query.q.len() / width;
+            (0..cfg.kv_heads)
+                .map(|h| {
+                    let mut rows = Vec::with_capacity(q_len * r * d);
+                    let mut pos = Vec::with_capacity(q_len * r);
+                    for t in 0..q_len {
+                        let p = seq.len - q_len + t;
+                        for j in 0..r {
+                            let at = t * width + (h * r + j) * d;
+                            let mut row: Vec<f32> = query.q[at..at + d].to_vec();
+                            if let Some(rope) = view.rope {
+                                rope.rotate(&mut row, p);
+                            }
+                            rows.extend(row.iter().map(|x| x * scale * std::f32::consts::LOG2_E));
+                            pos.push(p);
+                        }
+                    }
+                    HeadQueries { rows, pos }
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Merges the split partials of one row: `Σ 2^(m_s - M) acc_s / Σ 2^(m_s - M) l_s`.

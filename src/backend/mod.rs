@@ -1,7 +1,22 @@
-//! Where attention runs. The CPU backend is the reference engine and the fallback everywhere.
+//! Where attention runs. The CPU backend is the reference engine and the fallback everywhere;
+//! the emulator backend runs the HIP kernels' own code on the CPU.
 
 pub(crate) mod cpu;
+mod emu;
 mod simd;
+
+pub(crate) use emu::attend as emu_attend;
+
+/// The engine that runs a cache's attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// Rust kernels on every core: the reference engine.
+    #[default]
+    Cpu,
+    /// The HIP kernels of `hip/`, compiled for the host and run by the SIMT emulator, through
+    /// the launch path a GPU takes. Decode only (one new token per query); slow, for tests.
+    Emu,
+}
 
 /// The arithmetic the CPU backend runs on this machine: `"AVX2+FMA+F16C"` or `"portable"`
 /// (also what `HIPKV_CPU_SIMD=portable` forces).

@@ -135,11 +135,20 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         "  cpu  available    {cpu}, {} threads",
         rayon::current_num_threads()
     );
+    let objects = hipkv::kernels::code_objects();
+    match hipkv::kernels::gpu_build_skipped() {
+        Some(why) => println!("  hip  unavailable  no GPU kernels in this build: {why}"),
+        None => {
+            let archs: Vec<&str> = objects.iter().map(|o| o.arch).collect();
+            println!(
+                "  hip  unavailable  kernels built for {} but the HIP runtime layer is not written yet",
+                archs.join(", ")
+            )
+        }
+    }
     println!(
-        "  hip  unavailable  this build has no HIP kernels yet (none are written; see README status)"
-    );
-    println!(
-        "  emu  unavailable  this build has no SIMT emulator yet (none is written; see README status)"
+        "  emu  available    the HIP kernels compiled for this CPU, run by the SIMT emulator \
+         (Backend::Emu; decode only, for tests)"
     );
 
     let f16_bytes = Scheme::uniform(Format::F16).bytes_per_token(d);

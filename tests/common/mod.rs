@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use hipkv::synth::Rng;
-use hipkv::{CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
+use hipkv::{Backend, CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
 
 pub fn config(
     scheme: &str,
@@ -115,4 +115,42 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max)
         / scale
+}
+
+/// Outliers that matter: values with a heavy tail (1% of elements ×30) and keys with outlier
+/// channels, so that dropping or misplacing one correction moves the output beyond tolerance.
+/// Thresholds come from 4000 tokens (with only the 150 attended, a 0.5% tail per channel would
+/// be the channel's maximum and nothing would be stored).
+pub fn check_heavy_tailed_outliers(backend: Backend) {
+    for scheme in [
+        "q4_tok,outliers=kv",
+        "k=q2_chan,v=q2_tok,outliers=kv,outlier_slots=2",
+        "kivi2,outliers=kv,pre_rope",
+    ] {
+        let cfg = with_rope(config(scheme, 2, 4, 64, 4000), RopeLayout::Halves);
+        let mut rng = Rng::new(21);
+        let mut cache = KvCache::new(cfg).unwrap();
+        let (len, sample) = (150, 4000);
+        let width = cfg.kv_heads * cfg.head_dim;
+        let k = hipkv::synth::keys_with_outlier_channels(&mut rng, sample, 2, 64, 2, 6.0);
+        let mut v = rng.normals(sample * width);
+        for x in v.iter_mut() {
+            if rng.uniform() < 0.01 {
+                *x *= 30.0;
+            }
+        }
+        cache.calibrate_outliers(0, &k, &v, 0).unwrap();
+        cache
+            .append(0, 0, &k[..len * width], &v[..len * width])
+            .unwrap();
+        cache.set_backend(backend);
+        let q = rng.normals(cfg.q_heads * cfg.head_dim);
+        let mut out = vec![0f32; q.len()];
+        cache.attend(0, 0, &q, 0.125, &mut out).unwrap();
+        let want = naive_attend(&cache, 0, &q, 0.125);
+        for (row, (g, w)) in out.chunks_exact(64).zip(want.chunks_exact(64)).enumerate() {
+            let e = rel_err(g, w);
+            assert!(e <= 1e-5, "{scheme} row {row}: rel err {e}");
+        }
+    }
 }

@@ -1,0 +1,354 @@
+// The SIMT emulator's runtime: fibers, the per-workgroup scheduler, synchronization checks, and
+// the launcher the Rust `emu` backend calls (`hipkv_emu_launch`). See emu.h for the model.
+#include "emu.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__has_include)
+#if __has_include(<valgrind/valgrind.h>)
+#include <valgrind/valgrind.h>
+#define HIPKV_EMU_VALGRIND 1
+#endif
+#endif
+
+// Context switch: saves the callee-saved registers of the running context on its stack, stores
+// its stack pointer in *save, and resumes the context whose stack pointer is `load`. A few
+// instructions, where glibc's swapcontext makes a system call for the signal mask.
+extern "C" void hipkv_emu_switch(void **save, void *load);
+
+#if defined(__x86_64__)
+asm(R"(
+    .text
+    .globl hipkv_emu_switch
+    .type hipkv_emu_switch, @function
+hipkv_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size hipkv_emu_switch, .-hipkv_emu_switch
+    .section .note.GNU-stack,"",@progbits
+)");
+#elif defined(__aarch64__)
+asm(R"(
+    .text
+    .globl hipkv_emu_switch
+    .type hipkv_emu_switch, %function
+hipkv_emu_switch:
+    sub sp, sp, #176
+    stp x19, x20, [sp, #0]
+    stp x21, x22, [sp, #16]
+    stp x23, x24, [sp, #32]
+    stp x25, x26, [sp, #48]
+    stp x27, x28, [sp, #64]
+    stp x29, x30, [sp, #80]
+    stp d8, d9, [sp, #96]
+    stp d10, d11, [sp, #112]
+    stp d12, d13, [sp, #128]
+    stp d14, d15, [sp, #144]
+    mov x9, sp
+    str x9, [x0]
+    mov sp, x1
+    ldp x19, x20, [sp, #0]
+    ldp x21, x22, [sp, #16]
+    ldp x23, x24, [sp, #32]
+    ldp x25, x26, [sp, #48]
+    ldp x27, x28, [sp, #64]
+    ldp x29, x30, [sp, #80]
+    ldp d8, d9, [sp, #96]
+    ldp d10, d11, [sp, #112]
+    ldp d12, d13, [sp, #128]
+    ldp d14, d15, [sp, #144]
+    add sp, sp, #176
+    ret
+    .size hipkv_emu_switch, .-hipkv_emu_switch
+    .section .note.GNU-stack,"",@progbits
+)");
+#else
+#error "the hipkv emulator has a context switch for x86-64 and aarch64 only"
+#endif
+
+namespace hipkv_emu {
+
+thread_local WorkItem *current_item = nullptr;
+thread_local Workgroup *current_group = nullptr;
+
+namespace {
+
+constexpr uint32_t kWave = 32;
+constexpr size_t kStackBytes = 256 * 1024;
+
+enum class State { Runnable, AtBarrier, AtLaneExchange, Done };
+
+struct Fiber {
+    WorkItem item;
+    void *sp = nullptr;
+    State state = State::Runnable;
+    // Where the work-item waits: the barrier's call site, to tell apart different barriers.
+    const void *site = nullptr;
+    float exchange = 0.0f;
+    char *stack = nullptr;
+    unsigned valgrind_id = 0;
+};
+
+// The workgroup running on this OS thread.
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    Fiber *running = nullptr;
+    void *scheduler_sp = nullptr;
+    Entry entry = nullptr;
+    const void *params = nullptr;
+};
+
+thread_local Scheduler *sched = nullptr;
+
+void yield_to_scheduler() {
+    Fiber *f = sched->running;
+    hipkv_emu_switch(&f->sp, sched->scheduler_sp);
+}
+
+[[noreturn]] void fiber_main() {
+    sched->entry(sched->params);
+    sched->running->state = State::Done;
+    yield_to_scheduler();
+    abort();  // a finished fiber is never resumed
+}
+
+// A fresh context on `stack` that starts in fiber_main.
+void *initial_sp(char *stack) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + kStackBytes) & ~uintptr_t(15);
+    void **sp = reinterpret_cast<void **>(top);
+#if defined(__x86_64__)
+    *--sp = nullptr;                                         // fiber_main's return address slot
+    *--sp = reinterpret_cast<void *>(&fiber_main);           // `ret` target of the switch
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;             // rbp rbx r12 r13 r14 r15
+#else
+    sp -= 22;                                                // the 176-byte save area
+    for (int i = 0; i < 22; ++i) sp[i] = nullptr;
+    sp[11] = reinterpret_cast<void *>(&fiber_main);          // x30 (link register)
+#endif
+    return sp;
+}
+
+const char *state_name(State s) {
+    switch (s) {
+        case State::Runnable: return "running";
+        case State::AtBarrier: return "at a barrier";
+        case State::AtLaneExchange: return "at a lane exchange";
+        case State::Done: return "finished";
+    }
+    return "?";
+}
+
+// Runs one workgroup to completion; returns an empty string or what went wrong.
+std::string run_workgroup(Scheduler &s, Workgroup &group, std::vector<char *> &stacks) {
+    const uint32_t n = group.block_dim.x * group.block_dim.y * group.block_dim.z;
+    s.fibers.assign(n, Fiber{});
+    while (stacks.size() < n) stacks.push_back(static_cast<char *>(malloc(kStackBytes)));
+    for (uint32_t i = 0; i < n; ++i) {
+        Fiber &f = s.fibers[i];
+        f.item.thread_idx = {i % group.block_dim.x, (i / group.block_dim.x) % group.block_dim.y,
+                             i / (group.block_dim.x * group.block_dim.y)};
+        f.stack = stacks[i];
+        f.sp = initial_sp(f.stack);
+#ifdef HIPKV_EMU_VALGRIND
+        f.valgrind_id = VALGRIND_STACK_REGISTER(f.stack, f.stack + kStackBytes);
+#endif
+    }
+    current_group = &group;
+    std::string error;
+    for (;;) {
+        for (Fiber &f : s.fibers) {
+            if (f.state != State::Runnable) continue;
+            s.running = &f;
+            current_item = &f.item;
+            hipkv_emu_switch(&s.scheduler_sp, f.sp);
+        }
+        // Every work-item is now waiting or done: release what may go on.
+        uint32_t done = 0, at_barrier = 0;
+        for (const Fiber &f : s.fibers) {
+            done += f.state == State::Done;
+            at_barrier += f.state == State::AtBarrier;
+        }
+        if (done == n) break;
+        bool released = false;
+        for (uint32_t w = 0; w * kWave < n; ++w) {
+            const uint32_t lo = w * kWave, hi = lo + kWave < n ? lo + kWave : n;
+            uint32_t exchanging = 0;
+            for (uint32_t i = lo; i < hi; ++i)
+                exchanging += s.fibers[i].state == State::AtLaneExchange;
+            if (exchanging == 0) continue;
+            if (exchanging != kWave) {
+                for (uint32_t i = lo; i < hi; ++i)
+                    if (s.fibers[i].state != State::AtLaneExchange) {
+                        error = "lane exchange in wave " + std::to_string(w) + " while lane " +
+                                std::to_string(i - lo) + " is " + state_name(s.fibers[i].state) +
+                                " (lanes of a wave32 must exchange in lockstep)";
+                        break;
+                    }
+                break;
+            }
+            for (uint32_t i = lo; i < hi; ++i) s.fibers[i].state = State::Runnable;
+            released = true;
+        }
+        if (!error.empty()) break;
+        if (released) continue;
+        if (at_barrier == n) {
+            const void *site = s.fibers[0].site;
+            for (uint32_t i = 1; i < n; ++i)
+                if (s.fibers[i].site != site) {
+                    error = "work-items 0 and " + std::to_string(i) +
+                            " wait at different barriers (divergent __syncthreads)";
+                    break;
+                }
+            if (!error.empty()) break;
+            for (Fiber &f : s.fibers) f.state = State::Runnable;
+            continue;
+        }
+        for (uint32_t i = 0; i < n; ++i)
+            if (s.fibers[i].state == State::Done) {
+                error = "work-item " + std::to_string(i) +
+                        " finished while others wait at a barrier (divergent __syncthreads)";
+                break;
+            }
+        if (error.empty()) error = "deadlock: no work-item can proceed";
+        break;
+    }
+#ifdef HIPKV_EMU_VALGRIND
+    for (Fiber &f : s.fibers) VALGRIND_STACK_DEREGISTER(f.valgrind_id);
+#endif
+    current_item = nullptr;
+    current_group = nullptr;
+    return error;
+}
+
+struct Kernel {
+    Entry entry;
+    uint32_t params_size;
+};
+
+std::map<std::string, Kernel> &registry() {
+    static std::map<std::string, Kernel> kernels;
+    return kernels;
+}
+
+void copy_message(const std::string &msg, char *out, size_t out_len) {
+    if (out_len == 0) return;
+    const size_t n = msg.size() < out_len - 1 ? msg.size() : out_len - 1;
+    memcpy(out, msg.data(), n);
+    out[n] = '\0';
+}
+
+}  // namespace
+
+void barrier() {
+    Fiber *f = sched->running;
+    f->state = State::AtBarrier;
+    f->site = __builtin_return_address(0);
+    yield_to_scheduler();
+}
+
+float shfl_xor(float x, int mask) {
+    Fiber *f = sched->running;
+    const uint32_t id = static_cast<uint32_t>(f - sched->fibers.data());
+    const uint32_t partner = (id & ~(kWave - 1)) | ((id & (kWave - 1)) ^ (uint32_t)mask);
+    f->exchange = x;
+    f->state = State::AtLaneExchange;
+    yield_to_scheduler();  // every lane has published its value
+    const float y = sched->fibers[partner].exchange;
+    f->state = State::AtLaneExchange;
+    yield_to_scheduler();  // every lane has read before any publishes again
+    return y;
+}
+
+Registrar::Registrar(const char *name, Entry entry, uint32_t params_size) {
+    registry()[name] = Kernel{entry, params_size};
+}
+
+}  // namespace hipkv_emu
+
+using namespace hipkv_emu;
+
+// Launches kernel `name` over `grid` workgroups of `block` work-items, `threads` workgroups at a
+// time on OS threads, and returns when all are done: 0, or -1 with the reason in `err`.
+extern "C" int hipkv_emu_launch(const char *name, const void *params, uint32_t params_size,
+                                const uint32_t grid[3], const uint32_t block[3],
+                                uint32_t threads, char *err, size_t err_len) {
+    auto it = registry().find(name);
+    if (it == registry().end()) {
+        copy_message(std::string("no kernel named ") + name + " in the emulator", err, err_len);
+        return -1;
+    }
+    if (it->second.params_size != params_size) {
+        copy_message(std::string("kernel ") + name + " takes " +
+                         std::to_string(it->second.params_size) + " bytes of params, not " +
+                         std::to_string(params_size),
+                     err, err_len);
+        return -1;
+    }
+    const uint64_t groups = (uint64_t)grid[0] * grid[1] * grid[2];
+    const uint32_t items = block[0] * block[1] * block[2];
+    if (items == 0 || items > 1024 || items % kWave != 0) {
+        copy_message("workgroups must hold a positive multiple of 32 work-items, at most 1024",
+                     err, err_len);
+        return -1;
+    }
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex error_lock;
+    std::string first_error;
+    const Entry entry = it->second.entry;
+    auto worker = [&]() {
+        Scheduler s;
+        s.entry = entry;
+        s.params = params;
+        sched = &s;
+        std::vector<char *> stacks;
+        for (uint64_t g; !failed.load() && (g = next.fetch_add(1)) < groups;) {
+            Workgroup group;
+            group.grid_dim = {grid[0], grid[1], grid[2]};
+            group.block_dim = {block[0], block[1], block[2]};
+            group.block_idx = {(uint32_t)(g % grid[0]), (uint32_t)((g / grid[0]) % grid[1]),
+                               (uint32_t)(g / ((uint64_t)grid[0] * grid[1]))};
+            std::string e = run_workgroup(s, group, stacks);
+            if (!e.empty()) {
+                std::lock_guard<std::mutex> lock(error_lock);
+                if (!failed.exchange(true))
+                    first_error = "workgroup (" + std::to_string(group.block_idx.x) + ", " +
+                                  std::to_string(group.block_idx.y) + ", " +
+                                  std::to_string(group.block_idx.z) + ") of " + name + ": " + e;
+            }
+        }
+        for (char *p : stacks) free(p);
+        sched = nullptr;
+    };
+    const uint32_t n = threads == 0 ? 1 : threads;
+    std::vector<std::thread> pool;
+    for (uint32_t i = 1; i < n && i < groups; ++i) pool.emplace_back(worker);
+    worker();
+    for (std::thread &t : pool) t.join();
+    if (failed.load()) {
+        copy_message(first_error, err, err_len);
+        return -1;
+    }
+    return 0;
+}

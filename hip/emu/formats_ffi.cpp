@@ -1,0 +1,34 @@
+// C entry points to the device-side format functions of formats.h, so that Rust tests can check
+// them against the reference quantizers in src/quant (tests/formats_agree.rs).
+#include "formats.h"
+
+extern "C" float hipkv_ffi_half_to_float(uint16_t h) { return hipkv::half_to_float(h); }
+
+// Dequantizes channels [0, head_dim) of token `t` of a stream stored in `format`: `row` is the
+// token's packed row, `params` the stream's parameter section (page-relative, as in a page).
+extern "C" void hipkv_ffi_dequant_row(int format, const uint8_t *row, const uint8_t *params,
+                                      uint32_t t, uint32_t head_dim, uint32_t group, float *out) {
+    for (uint32_t c = 0; c < head_dim; ++c) {
+        switch (format) {
+            case HIPKV_F16: out[c] = hipkv::dequant1<HIPKV_F16>(row, params, t, c, head_dim, group); break;
+            case HIPKV_Q8: out[c] = hipkv::dequant1<HIPKV_Q8>(row, params, t, c, head_dim, group); break;
+            case HIPKV_Q8_0: out[c] = hipkv::dequant1<HIPKV_Q8_0>(row, params, t, c, head_dim, group); break;
+            case HIPKV_Q4_TOK: out[c] = hipkv::dequant1<HIPKV_Q4_TOK>(row, params, t, c, head_dim, group); break;
+            case HIPKV_Q2_TOK: out[c] = hipkv::dequant1<HIPKV_Q2_TOK>(row, params, t, c, head_dim, group); break;
+            case HIPKV_Q4_CHAN: out[c] = hipkv::dequant1<HIPKV_Q4_CHAN>(row, params, t, c, head_dim, group); break;
+            case HIPKV_Q2_CHAN: out[c] = hipkv::dequant1<HIPKV_Q2_CHAN>(row, params, t, c, head_dim, group); break;
+            default: out[c] = 0.0f; break;
+        }
+    }
+}
+
+// Eight raw codes of channels c..c+8 as the attention loops decode them.
+extern "C" void hipkv_ffi_codes8(int format, const uint8_t *row, uint32_t c, float *out) {
+    switch (format) {
+        case HIPKV_F16: hipkv::codes8<HIPKV_F16>(row, c, out); break;
+        case HIPKV_Q8: hipkv::codes8<HIPKV_Q8>(row, c, out); break;
+        case HIPKV_Q8_0: hipkv::codes8<HIPKV_Q8_0>(row, c, out); break;
+        case HIPKV_Q4_TOK: case HIPKV_Q4_CHAN: hipkv::codes8<HIPKV_Q4_TOK>(row, c, out); break;
+        default: hipkv::codes8<HIPKV_Q2_TOK>(row, c, out); break;
+    }
+}

@@ -1,0 +1,123 @@
+// Storage formats of hipkv, for device code and for the host: how a stored element is read
+// back. The definitions mirror `src/scheme.rs` (layouts) and `src/quant/` (the reference
+// quantizers); `tests/formats_agree.rs` calls these functions from Rust and compares.
+//
+//   f16      little-endian IEEE binary16 per element
+//   q8       int8 per element; one f16 scale per token (params)            x = s·q
+//   q8_0     per 32 channels {f16 d; int8 q[32]} inside the row (34 B)     x = d·q
+//   q4/q2_tok codes packed low bits first; (f16 scale, f16 min) per token
+//            per channel group (params)                                   x = min + s·q
+//   q4/q2_chan codes as above; (f16 scale, f16 min) per channel, shared by
+//            the tokens of a page (params)                                x = min + s·q
+#ifndef HIPKV_FORMATS_H
+#define HIPKV_FORMATS_H
+
+#include "hipkv_device.h"
+
+namespace hipkv {
+
+// Bytes of one q8_0 block and channels in it.
+#define HIPKV_Q8_0_BLOCK 32
+#define HIPKV_Q8_0_BLOCK_BYTES 34
+
+HIPKV_HD uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+HIPKV_HD float load_f16(const uint8_t *p) { return half_to_float(load_u16(p)); }
+
+HIPKV_HD constexpr int format_bits(int f) {
+    return f == HIPKV_F16 ? 16 : (f == HIPKV_Q8 || f == HIPKV_Q8_0) ? 8
+                               : (f == HIPKV_Q4_TOK || f == HIPKV_Q4_CHAN) ? 4 : 2;
+}
+HIPKV_HD constexpr bool format_is_tok(int f) { return f == HIPKV_Q4_TOK || f == HIPKV_Q2_TOK; }
+HIPKV_HD constexpr bool format_is_chan(int f) { return f == HIPKV_Q4_CHAN || f == HIPKV_Q2_CHAN; }
+
+// Bytes of one token row of `head_dim` channels.
+HIPKV_HD uint32_t row_bytes(int f, uint32_t head_dim) {
+    switch (f) {
+        case HIPKV_F16: return 2 * head_dim;
+        case HIPKV_Q8: return head_dim;
+        case HIPKV_Q8_0: return head_dim / HIPKV_Q8_0_BLOCK * HIPKV_Q8_0_BLOCK_BYTES;
+        default: return head_dim * format_bits(f) / 8;
+    }
+}
+
+// The raw code (or, for f16, the value) of channels c..c+8 of one row, as floats, c % 8 == 0.
+// For q8_0 the codes only: the block scale is read by `q8_0_scale`.
+template <int F>
+HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
+    if constexpr (F == HIPKV_F16) {
+        for (int i = 0; i < 8; ++i) out[i] = load_f16(row + 2 * (c + i));
+    } else if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) {
+        const uint8_t *p = F == HIPKV_Q8 ? row + c
+                                         : row + (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES +
+                                               2 + c % HIPKV_Q8_0_BLOCK;
+        for (int i = 0; i < 8; ++i) out[i] = (float)(int8_t)p[i];
+    } else if constexpr (format_bits(F) == 4) {
+        const uint8_t *p = row + c / 2;
+        uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
+                     ((uint32_t)p[3] << 24);
+        for (int i = 0; i < 8; ++i) out[i] = (float)((w >> (4 * i)) & 15u);
+    } else {
+        const uint8_t *p = row + c / 4;
+        uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+        for (int i = 0; i < 8; ++i) out[i] = (float)((w >> (2 * i)) & 3u);
+    }
+}
+
+// The raw code of channel c of one row (for outlier corrections).
+template <int F>
+HIPKV_HD float code1(const uint8_t *row, uint32_t c) {
+    if constexpr (F == HIPKV_F16) {
+        return load_f16(row + 2 * c);
+    } else if constexpr (F == HIPKV_Q8) {
+        return (float)(int8_t)row[c];
+    } else if constexpr (F == HIPKV_Q8_0) {
+        return (float)(int8_t)row[(c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES + 2 +
+                                  c % HIPKV_Q8_0_BLOCK];
+    } else {
+        constexpr uint32_t bits = format_bits(F), per = 8 / bits;
+        return (float)((row[c / per] >> ((c % per) * bits)) & ((1u << bits) - 1));
+    }
+}
+
+// Scale of the q8_0 block holding channel c.
+HIPKV_HD float q8_0_scale(const uint8_t *row, uint32_t c) {
+    return load_f16(row + (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES);
+}
+
+// Parameters of one element, `x = min + scale · code` (min = 0 for f16/q8/q8_0, scale = 1
+// for f16). `params` is the stream's parameter section of the page, `t` the token within the
+// page, `group` the channels per group of per-token formats.
+template <int F>
+HIPKV_HD void element_params(const uint8_t *row, const uint8_t *params, uint32_t t, uint32_t c,
+                             uint32_t head_dim, uint32_t group, float *scale, float *min) {
+    *min = 0.0f;
+    *scale = 1.0f;
+    if constexpr (F == HIPKV_Q8) {
+        *scale = load_f16(params + 2 * t);
+    } else if constexpr (F == HIPKV_Q8_0) {
+        *scale = q8_0_scale(row, c);
+    } else if constexpr (format_is_tok(F)) {
+        const uint8_t *p = params + 4 * (t * (head_dim / group) + c / group);
+        *scale = load_f16(p);
+        *min = load_f16(p + 2);
+    } else if constexpr (format_is_chan(F)) {
+        *scale = load_f16(params + 4 * c);
+        *min = load_f16(params + 4 * c + 2);
+    }
+}
+
+// The dequantized (dense) value of channel c of token t, exactly as `src/quant` computes it.
+template <int F>
+HIPKV_HD float dequant1(const uint8_t *row, const uint8_t *params, uint32_t t, uint32_t c,
+                        uint32_t head_dim, uint32_t group) {
+    float scale, min;
+    element_params<F>(row, params, t, c, head_dim, group, &scale, &min);
+    const float code = code1<F>(row, c);
+    if constexpr (F == HIPKV_F16) return code;
+    if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) return scale * code;
+    return min + scale * code;
+}
+
+}  // namespace hipkv
+
+#endif

@@ -1,0 +1,127 @@
+// Portability layer of the hipkv kernels. The kernels are written once against these names and
+// compile three ways:
+//   - HIP for AMD GPUs (clang -x hip, __HIP_DEVICE_COMPILE__ or __HIPCC__): wave32 intrinsics;
+//   - the host SIMT emulator (HIPKV_EMU, hip/emu/emu.h): work-items as fibers;
+//   - CUDA (__CUDACC__), where a warp is the same 32 lanes as an RDNA wave32.
+// Plain host C++ (neither of the above) gets the __host__ __device__ helpers only, for the
+// formats agreement test.
+#ifndef HIPKV_DEVICE_H
+#define HIPKV_DEVICE_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "hipkv_abi.h"
+
+#if defined(HIPKV_EMU)
+#include "../emu/emu.h"
+#define HIPKV_HD inline
+#define HIPKV_DEV inline
+#elif defined(__HIPCC__) || defined(__HIP__)
+#include <hip/hip_runtime.h>
+#define HIPKV_HD __host__ __device__ __forceinline__
+#define HIPKV_DEV __device__ __forceinline__
+// A kernel entry point taking its params struct by value (hipModuleLaunchKernel passes it).
+#define HIPKV_KERNEL(NAME, PARAMS) \
+    extern "C" __global__ __launch_bounds__(HIPKV_THREADS) void NAME(PARAMS p)
+#elif defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define HIPKV_HD __host__ __device__ __forceinline__
+#define HIPKV_DEV __device__ __forceinline__
+#define HIPKV_KERNEL(NAME, PARAMS) \
+    extern "C" __global__ __launch_bounds__(HIPKV_THREADS) void NAME(PARAMS p)
+#else
+#define HIPKV_HD inline
+#endif
+
+namespace hipkv {
+
+// IEEE binary16 bits to float, exact for every input (subnormals, infinities, NaN).
+HIPKV_HD float half_to_float(uint16_t h) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return (float)__builtin_bit_cast(_Float16, h);
+#elif defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(h));
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        // Subnormal: value = man · 2^-24, normalized by hand.
+        uint32_t e = 113;
+        uint32_t m = man;
+        while ((m & 0x400u) == 0) {
+            m <<= 1;
+            --e;
+        }
+        bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
+    }
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = bits;
+    return v.f;
+#endif
+}
+
+}  // namespace hipkv
+
+#if defined(HIPKV_EMU) || defined(__HIPCC__) || defined(__HIP__) || defined(__CUDACC__)
+
+namespace hipkv {
+
+// Lane index within the wave (wave32 on gfx1201; a warp on CUDA).
+HIPKV_DEV uint32_t lane_id() { return threadIdx.x % HIPKV_WAVE; }
+HIPKV_DEV uint32_t wave_id() { return threadIdx.x / HIPKV_WAVE; }
+
+// The value of `x` in lane `lane ^ mask`; every lane of the wave must take part.
+HIPKV_DEV float shfl_xor(float x, int mask) {
+#if defined(HIPKV_EMU)
+    return hipkv_emu::shfl_xor(x, mask);
+#elif defined(__CUDACC__)
+    return __shfl_xor_sync(0xffffffffu, x, mask, HIPKV_WAVE);
+#else
+    return __shfl_xor(x, mask, HIPKV_WAVE);
+#endif
+}
+
+HIPKV_DEV float wave_max(float x) {
+    for (int m = HIPKV_WAVE / 2; m > 0; m /= 2) x = fmaxf(x, shfl_xor(x, m));
+    return x;
+}
+
+HIPKV_DEV float wave_sum(float x) {
+    for (int m = HIPKV_WAVE / 2; m > 0; m /= 2) x += shfl_xor(x, m);
+    return x;
+}
+
+// 2^x; exact enough for softmax weights (1 ulp on the GPU's v_exp_f32).
+HIPKV_DEV float exp2(float x) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return __builtin_amdgcn_exp2f(x);
+#else
+    return exp2f(x);
+#endif
+}
+
+// Workgroup barrier: every work-item of the workgroup must reach the same one.
+HIPKV_DEV void barrier() { __syncthreads(); }
+
+// 16 bytes from global memory in one load (`global_load_b128` on gfx1201).
+struct alignas(16) Bytes16 {
+    uint32_t w[4];
+};
+HIPKV_DEV Bytes16 load16(const uint8_t *p) { return *reinterpret_cast<const Bytes16 *>(p); }
+
+}  // namespace hipkv
+
+#endif
+#endif

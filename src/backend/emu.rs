@@ -1,0 +1,199 @@
+//! The `emu` backend: the HIP kernels of `hip/attention.hip`, compiled for the host, run by the
+//! SIMT emulator of `hip/emu` through the launch path a GPU takes (a params struct, a grid and a
+//! workgroup shape). It reads the cache where the CPU backend does, so the differential tests
+//! compare the kernels' own code with the reference on the same bytes.
+
+use std::ffi::{CString, c_char, c_int, c_void};
+
+use crate::abi::{
+    HIPKV_MAX_GQA, HIPKV_THREADS, hipkv_attn_params, hipkv_combine_params, hipkv_stream_layout,
+};
+use crate::cache::{Query, SeqState};
+use crate::error::{Error, Result};
+use crate::kernels::attention_kernel_name;
+use crate::rope::RopeLayout;
+use crate::scheme::{Format, StreamLayout};
+
+use super::cpu::{CacheView, prepare_queries};
+
+unsafe extern "C" {
+    fn hipkv_emu_launch(
+        name: *const c_char,
+        params: *const c_void,
+        params_size: u32,
+        grid: *const u32,
+        block: *const u32,
+        threads: u32,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// Pages each split covers at most: long contexts get many splits, as on a GPU.
+const PAGES_PER_SPLIT: usize = 4;
+
+/// Launches `name` with `params` over `grid` workgroups of one wave, on every core.
+fn launch<P: Copy>(name: &str, params: &P, grid: [u32; 3]) -> Result<()> {
+    let c_name = CString::new(name).expect("kernel names have no NUL");
+    let block = [HIPKV_THREADS, 1, 1];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let mut err = vec![0 as c_char; 1024];
+    // SAFETY: `params` is a `#[repr(C)]` ABI struct of `size_of::<P>()` bytes whose pointers
+    // reference buffers alive for this call; the launcher checks the size against the kernel's
+    // own params type, runs every workgroup before it returns, and writes at most `err.len()`
+    // bytes, NUL-terminated, into `err`. No C++ exception crosses the boundary (built with
+    // -fno-exceptions; errors are return codes).
+    let rc = unsafe {
+        hipkv_emu_launch(
+            c_name.as_ptr(),
+            (params as *const P).cast(),
+            size_of::<P>() as u32,
+            grid.as_ptr(),
+            block.as_ptr(),
+            threads,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let bytes: Vec<u8> = err
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    Err(Error::Emulator {
+        kernel: name.to_string(),
+        message: String::from_utf8_lossy(&bytes).into_owned(),
+    })
+}
+
+fn stream_abi(l: &StreamLayout, head_dim: usize) -> hipkv_stream_layout {
+    let group = match l.format {
+        Format::Tok { group, .. } => group.size(head_dim),
+        _ => head_dim,
+    };
+    let u = |x: usize| u32::try_from(x).expect("page offsets fit in u32");
+    hipkv_stream_layout {
+        rows: u(l.rows),
+        row_bytes: u(l.row_bytes),
+        params: u(l.params),
+        counts: u(l.counts),
+        slots: u(l.slots),
+        outlier_slots: u(l.outlier_slots),
+        group: u(group),
+        residual: u32::from(l.format.is_grouped_by_tokens()),
+    }
+}
+
+/// Decode attention (one new token per query) with the emulated kernels.
+pub(crate) fn attend(
+    view: &CacheView<'_>,
+    seqs: &[&SeqState],
+    queries: &mut [Query<'_>],
+    scale: f32,
+) -> Result<()> {
+    let cfg = view.config;
+    let scheme = &cfg.scheme;
+    let (d, gqa) = (cfg.head_dim, cfg.gqa());
+    let width = cfg.q_heads * d;
+    if queries.iter().any(|q| q.q.len() != width) {
+        return Err(Error::Unsupported(
+            "the emu backend attends one decode token per query".into(),
+        ));
+    }
+    if gqa > HIPKV_MAX_GQA as usize {
+        return Err(Error::Unsupported(format!(
+            "GQA {gqa} on the emu backend (at most {HIPKV_MAX_GQA})"
+        )));
+    }
+    let prepared = prepare_queries(view, seqs, queries, scale);
+    let k_group = stream_abi(&view.layout.k, d).group as usize;
+    let q: Vec<f32> = prepared
+        .iter()
+        .flatten()
+        .flat_map(|h| h.rows.iter().copied())
+        .collect();
+    // Σ q over each key parameter group, per query row (for per-token key minimums).
+    let q_group_sums: Vec<f32> = q
+        .chunks_exact(k_group)
+        .map(|g| g.iter().sum::<f32>())
+        .collect();
+    let rope_cos_sin = view.rope.map(|r| r.flat()).unwrap_or_default();
+
+    let pages = |len: usize| {
+        len.saturating_sub(scheme.sinks)
+            .div_ceil(scheme.group_tokens)
+    };
+    let max_pages = seqs.iter().map(|s| pages(s.len)).max().unwrap_or(0);
+    let splits = max_pages.div_ceil(PAGES_PER_SPLIT).max(1);
+    let seq_len: Vec<u32> = seqs.iter().map(|s| s.len as u32).collect();
+    let block_table: Vec<*const u32> = seqs.iter().map(|s| s.pages.as_ptr()).collect();
+    let f16_ptrs = |i: usize, sinks: bool| -> Vec<*const u16> {
+        seqs.iter()
+            .map(|s| {
+                let buf = if sinks { &s.sinks[i] } else { &s.residual[i] };
+                buf.as_ptr().cast()
+            })
+            .collect()
+    };
+    let (sinks_k, sinks_v) = (f16_ptrs(0, true), f16_ptrs(1, true));
+    let (residual_k, residual_v) = (f16_ptrs(0, false), f16_ptrs(1, false));
+    let rows = queries.len() * cfg.kv_heads * gqa;
+    let mut partial_acc = vec![0f32; rows * splits * d];
+    let mut partial_max = vec![0f32; rows * splits];
+    let mut partial_sum = vec![0f32; rows * splits];
+
+    let params = hipkv_attn_params {
+        pool: view.pool.as_ptr(),
+        page_bytes: view.page_bytes as u64,
+        head_block_bytes: view.layout.bytes as u32,
+        kv_heads: cfg.kv_heads as u32,
+        gqa: gqa as u32,
+        head_dim: d as u32,
+        group_tokens: scheme.group_tokens as u32,
+        sinks: scheme.sinks as u32,
+        splits: splits as u32,
+        pages_per_split: PAGES_PER_SPLIT as u32,
+        pre_rope: u32::from(scheme.pre_rope),
+        rope_pairs_interleaved: u32::from(
+            view.rope
+                .is_none_or(|r| r.layout() == RopeLayout::Interleaved),
+        ),
+        k: stream_abi(&view.layout.k, d),
+        v: stream_abi(&view.layout.v, d),
+        seq_len: seq_len.as_ptr(),
+        block_table: block_table.as_ptr(),
+        sinks_k: sinks_k.as_ptr(),
+        sinks_v: sinks_v.as_ptr(),
+        residual_k: residual_k.as_ptr(),
+        residual_v: residual_v.as_ptr(),
+        q: q.as_ptr(),
+        q_group_sums: q_group_sums.as_ptr(),
+        rope_cos_sin: rope_cos_sin.as_ptr(),
+        partial_acc: partial_acc.as_mut_ptr(),
+        partial_max: partial_max.as_mut_ptr(),
+        partial_sum: partial_sum.as_mut_ptr(),
+    };
+    let name = attention_kernel_name(scheme.k, scheme.v, d);
+    let grid = [splits as u32, cfg.kv_heads as u32, queries.len() as u32];
+    launch(&name, &params, grid)?;
+
+    let mut out = vec![0f32; rows * d];
+    let combine = hipkv_combine_params {
+        partial_acc: partial_acc.as_ptr(),
+        partial_max: partial_max.as_ptr(),
+        partial_sum: partial_sum.as_ptr(),
+        out: out.as_mut_ptr(),
+        rows: rows as u32,
+        gqa: gqa as u32,
+        splits: splits as u32,
+        head_dim: d as u32,
+    };
+    launch("hipkv_attn_combine", &combine, [rows as u32, 1, 1])?;
+    for (query, o) in queries.iter_mut().zip(out.chunks_exact(width)) {
+        query.out.copy_from_slice(o);
+    }
+    Ok(())
+}
