@@ -157,33 +157,54 @@ fn find_compiler() -> Result<Compiler, String> {
     Err(format!("no HIP compiler found: {}", tried.join("; ")))
 }
 
-/// Compiles every kernel source device-only for `arch` into one code object per source, and
-/// returns them bundled as one list of paths joined by the caller.
+/// Head dims the attention kernels are instantiated for; each is its own code object, compiled
+/// concurrently with the others (one kernel source takes minutes at -O3 otherwise).
+const HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// Compiles every kernel source device-only for `arch`, one code object per source and head_dim.
 fn compile_for(compiler: &Compiler, arch: &str, out: &Path) -> Result<Vec<PathBuf>, String> {
-    KERNEL_SOURCES
+    let jobs: Vec<(&str, u32)> = KERNEL_SOURCES
         .iter()
-        .map(|src| {
-            let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
-            let obj = out.join(format!("{stem}.{arch}.hsaco"));
-            let mut cmd = Command::new(&compiler.program);
-            cmd.args(["-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output"])
-                .arg(format!("--offload-arch={arch}"))
-                .args(["-O3", "-std=c++17", "-Ihip/include", "-c", src, "-o"])
-                .arg(&obj)
-                .args(&compiler.args);
-            let output = cmd
-                .output()
-                .map_err(|e| format!("cannot run {}: {e}", compiler.program.display()))?;
-            if !output.status.success() {
-                return Err(format!(
-                    "{} failed for {src} ({arch}):\n{}",
-                    compiler.program.display(),
-                    String::from_utf8_lossy(&output.stderr)
-                ));
-            }
-            Ok(obj)
-        })
-        .collect()
+        .flat_map(|src| HEAD_DIMS.iter().map(move |&d| (*src, d)))
+        .collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|&(src, d)| scope.spawn(move || compile_one(compiler, arch, src, d, out)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("compile thread"))
+            .collect()
+    })
+}
+
+fn compile_one(
+    compiler: &Compiler,
+    arch: &str,
+    src: &str,
+    head_dim: u32,
+    out: &Path,
+) -> Result<PathBuf, String> {
+    let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
+    let obj = out.join(format!("{stem}.d{head_dim}.{arch}.hsaco"));
+    let output = Command::new(&compiler.program)
+        .args(["-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output"])
+        .arg(format!("--offload-arch={arch}"))
+        .arg(format!("-DHIPKV_HEAD_DIM={head_dim}"))
+        .args(["-O3", "-std=c++17", "-Ihip/include", "-c", src, "-o"])
+        .arg(&obj)
+        .args(&compiler.args)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", compiler.program.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} failed for {src} (head_dim {head_dim}, {arch}):\n{}",
+            compiler.program.display(),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(obj)
 }
 
 /// Writes `code_objects.rs`: the embedded code objects and, when there are none, why.

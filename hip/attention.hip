@@ -2,8 +2,9 @@
 // combine kernel that merges the splits. One template serves every key format × value format ×
 // head_dim; `docs/kernels.md` describes the design.
 //
-// Grid (splits, kv_heads, queries); one wave32 per workgroup. The workgroup of (query, KV head,
-// split) computes every query head of the GQA group, so each cached byte is read once:
+// Grid (splits, kv_heads × row groups, queries); one wave32 per workgroup. The workgroup of
+// (query, KV head, row group, split) computes up to 8 query heads of the GQA group, so each
+// cached byte is read once for GQA ≤ 8 (twice for GQA 9–16):
 //   score:  lane i takes token i of a 32-token run and dots its key with all query rows; the
 //           queries are wave-uniform, read through the scalar cache;
 //   softmax: online, base 2 (log2 e is folded into q by the host), f32 state per row;
@@ -18,7 +19,9 @@
 
 namespace hipkv {
 
-constexpr int kMaxRows = HIPKV_MAX_GQA;
+// Query rows one workgroup computes at head_dim D.
+template <int D>
+constexpr int kRows = HIPKV_ROWS(D);
 constexpr float kNegInf = -__builtin_huge_valf();
 
 // One stream (keys or values) of a run of consecutive tokens of one head.
@@ -32,61 +35,66 @@ struct StreamView {
     uint32_t group;          // channels per parameter group (per-token formats)
 };
 
+template <int D>
 struct RowState {
-    float max[kMaxRows];
-    float sum[kMaxRows];
+    float max[kRows<D>];
+    float sum[kRows<D>];
 };
 
 template <int D>
 struct Acc {
     static constexpr int kPerLane = D / HIPKV_WAVE;
-    float v[kMaxRows][kPerLane];
+    float v[kRows<D>][kPerLane];
     // Σ weight · minimum of the lane's channel group (per-token value formats).
-    float min_sum[kMaxRows];
+    float min_sum[kRows<D>];
 };
 
 // Scores of token `t` of the run for every query row: `s[r] = q[r] · key(t)`.
 template <int F, int D>
 HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
-                           const float *q, const float *qsum, uint32_t rows, float s[kMaxRows]) {
+                           const float *q, const float *qsum, uint32_t rows, float s[kRows<D>]) {
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
-    for (int r = 0; r < kMaxRows; ++r) s[r] = 0.0f;
+    for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
     if constexpr (format_is_tok(F)) {
-        const uint32_t groups = D / k.group;
+        const uint32_t groups = D >> log2_pow2(k.group), gqa = p.gqa;
+        HIPKV_ROLLED
         for (uint32_t g = 0; g < groups; ++g) {
-            float dot[kMaxRows];
-            for (int r = 0; r < kMaxRows; ++r) dot[r] = 0.0f;
+            float dot[kRows<D>];
+            for (int r = 0; r < kRows<D>; ++r) dot[r] = 0.0f;
+            HIPKV_ROLLED
             for (uint32_t c = g * k.group; c < (g + 1) * k.group; c += 8) {
                 float x[8];
                 codes8<F>(row, c, x);
-                for (int r = 0; r < kMaxRows; ++r)
+                for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
                         for (int i = 0; i < 8; ++i) dot[r] += q[r * D + c + i] * x[i];
             }
             const uint8_t *gp = k.params + 4 * ((size_t)t * groups + g);
             const float scale = load_f16(gp), min = load_f16(gp + 2);
-            for (int r = 0; r < kMaxRows; ++r)
-                if ((uint32_t)r < rows) s[r] += scale * dot[r] + min * qsum[r * groups + g];
+            for (int r = 0; r < kRows<D>; ++r)
+                if ((uint32_t)r < rows) s[r] += scale * dot[r] + min * qsum[g * gqa + r];
         }
     } else if constexpr (F == HIPKV_Q8_0) {
+        HIPKV_ROLLED
         for (uint32_t b = 0; b < D / HIPKV_Q8_0_BLOCK; ++b) {
-            float dot[kMaxRows];
-            for (int r = 0; r < kMaxRows; ++r) dot[r] = 0.0f;
+            float dot[kRows<D>];
+            for (int r = 0; r < kRows<D>; ++r) dot[r] = 0.0f;
             for (uint32_t c = b * HIPKV_Q8_0_BLOCK; c < (b + 1) * HIPKV_Q8_0_BLOCK; c += 8) {
                 float x[8];
                 codes8<F>(row, c, x);
-                for (int r = 0; r < kMaxRows; ++r)
+                for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
                         for (int i = 0; i < 8; ++i) dot[r] += q[r * D + c + i] * x[i];
             }
             const float scale = q8_0_scale(row, b * HIPKV_Q8_0_BLOCK);
-            for (int r = 0; r < kMaxRows; ++r)
+            for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += scale * dot[r];
         }
     } else {
         // f16 and q8 (one scale per token), and per-channel formats, whose scale and minimum
         // are the same for every lane (uniform operands) and cost one FMA per element for all
         // rows together.
+        HIPKV_ROLLED
         for (uint32_t c = 0; c < D; c += 8) {
             float x[8];
             codes8<F>(row, c, x);
@@ -94,22 +102,23 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 for (int i = 0; i < 8; ++i)
                     x[i] = load_f16(k.params + 4 * (c + i) + 2) +
                            load_f16(k.params + 4 * (c + i)) * x[i];
-            for (int r = 0; r < kMaxRows; ++r)
+            for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     for (int i = 0; i < 8; ++i) s[r] += q[r * D + c + i] * x[i];
         }
         if constexpr (F == HIPKV_Q8) {
             const float scale = load_f16(k.params + 2 * t);
-            for (int r = 0; r < kMaxRows; ++r) s[r] *= scale;
+            for (int r = 0; r < kRows<D>; ++r) s[r] *= scale;
         }
     }
     if (k.cap != 0) {
         const uint32_t n = load_u16(k.counts + 2 * t);
+        HIPKV_ROLLED
         for (uint32_t i = 0; i < n; ++i) {
             const uint8_t *slot = k.slots + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
             const float delta = load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group);
-            for (int r = 0; r < kMaxRows; ++r)
+            for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += q[r * D + c] * delta;
         }
     }
@@ -130,35 +139,45 @@ HIPKV_DEV void rotate(const float *cos_sin, uint32_t pos, uint32_t pairs, uint32
 template <int F, int D>
 HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
                                     uint32_t pos, const float *q, uint32_t rows,
-                                    float s[kMaxRows]) {
+                                    float s[kRows<D>]) {
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
     constexpr uint32_t pairs = D / 2;
-    for (int r = 0; r < kMaxRows; ++r) s[r] = 0.0f;
+    for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
     auto dequant8 = [&](uint32_t c, float x[8]) {
         codes8<F>(row, c, x);
-        for (int i = 0; i < 8; ++i) {
+        if constexpr (F == HIPKV_F16) return;
+        if constexpr (format_is_chan(F)) {
+            for (int i = 0; i < 8; ++i) {
+                float scale, min;
+                element_params<F>(row, k.params, t, c + i, D, k.group, &scale, &min);
+                x[i] = min + scale * x[i];
+            }
+        } else {
+            // The eight channels share one group (groups are 32+ aligned channels).
             float scale, min;
-            element_params<F>(row, k.params, t, c + i, D, k.group, &scale, &min);
-            if (F != HIPKV_F16) x[i] = (F == HIPKV_Q8 || F == HIPKV_Q8_0) ? scale * x[i]
-                                                                         : min + scale * x[i];
+            element_params<F>(row, k.params, t, c, D, k.group, &scale, &min);
+            for (int i = 0; i < 8; ++i)
+                x[i] = (F == HIPKV_Q8 || F == HIPKV_Q8_0) ? scale * x[i] : min + scale * x[i];
         }
     };
     if (p.rope_pairs_interleaved) {
+        HIPKV_ROLLED
         for (uint32_t c = 0; c < D; c += 8) {
             float x[8];
             dequant8(c, x);
             for (int i = 0; i < 8; i += 2) rotate(p.rope_cos_sin, pos, pairs, (c + i) / 2, x[i], x[i + 1]);
-            for (int r = 0; r < kMaxRows; ++r)
+            for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     for (int i = 0; i < 8; ++i) s[r] += q[r * D + c + i] * x[i];
         }
     } else {
+        HIPKV_ROLLED
         for (uint32_t c = 0; c < pairs; c += 8) {
             float x[8], y[8];
             dequant8(c, x);
             dequant8(c + pairs, y);
             for (int i = 0; i < 8; ++i) rotate(p.rope_cos_sin, pos, pairs, c + i, x[i], y[i]);
-            for (int r = 0; r < kMaxRows; ++r)
+            for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     for (int i = 0; i < 8; ++i)
                         s[r] += q[r * D + c + i] * x[i] + q[r * D + c + pairs + i] * y[i];
@@ -166,6 +185,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
     }
     if (k.cap != 0) {
         const uint32_t n = load_u16(k.counts + 2 * t);
+        HIPKV_ROLLED
         for (uint32_t i = 0; i < n; ++i) {
             const uint8_t *slot = k.slots + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
@@ -177,7 +197,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             const uint32_t xc = inter ? 2 * pair : pair, yc = inter ? 2 * pair + 1 : pair + pairs;
             float dx = first ? delta : 0.0f, dy = first ? 0.0f : delta;
             rotate(p.rope_cos_sin, pos, pairs, pair, dx, dy);
-            for (int r = 0; r < kMaxRows; ++r)
+            for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += q[r * D + xc] * dx + q[r * D + yc] * dy;
         }
     }
@@ -189,6 +209,7 @@ HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
                                  const float (*w)[HIPKV_WAVE], uint32_t rows, Acc<D> &acc) {
     constexpr int kPer = Acc<D>::kPerLane;
     const uint32_t c0 = lane_id() * kPer;
+    HIPKV_ROLLED
     for (uint32_t j = 0; j < n; ++j) {
         const uint32_t t = t0 + j;
         const uint8_t *row = v.rows + (size_t)t * v.row_bytes;
@@ -206,7 +227,7 @@ HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
             scale = 1.0f;
             min = 0.0f;
         }
-        for (int r = 0; r < kMaxRows; ++r) {
+        for (int r = 0; r < kRows<D>; ++r) {
             if ((uint32_t)r >= rows) continue;
             const float weight = w[r][j];
             const float ws = weight * scale;
@@ -215,38 +236,50 @@ HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
         }
         if (v.cap != 0) {
             const uint32_t count = load_u16(v.counts + 2 * t);
+            HIPKV_ROLLED
             for (uint32_t i = 0; i < count; ++i) {
                 const uint8_t *slot = v.slots + 4 * ((size_t)t * v.cap + i);
                 const uint32_t c = load_u16(slot);
                 if (c < c0 || c >= c0 + kPer) continue;
                 const float delta =
                     load_f16(slot + 2) - dequant1<F>(row, v.params, t, c, D, v.group);
-                for (int r = 0; r < kMaxRows; ++r)
-                    if ((uint32_t)r < rows) acc.v[r][c - c0] += w[r][j] * delta;
+                // A constant index per element keeps the accumulators in registers.
+                for (int r = 0; r < kRows<D>; ++r)
+                    if ((uint32_t)r < rows)
+                        for (int e = 0; e < kPer; ++e)
+                            if (c == c0 + e) acc.v[r][e] += w[r][j] * delta;
             }
         }
     }
 }
 
 // One run of up to 32 consecutive tokens at positions pos0 + t0 ...: score, online softmax,
-// values.
+// values. Sinks and a per-channel stream's open page hold f16 rows (`k_f16`, `v_f16`): the
+// branch is uniform across the wave.
 template <int KF, int VF, int D>
 HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const StreamView &v,
-                          uint32_t t0, uint32_t n, uint32_t pos0, const float *q,
-                          const float *qsum, uint32_t rows, RowState &st, Acc<D> &acc,
-                          float (*w)[HIPKV_WAVE]) {
+                          bool k_f16, bool v_f16, uint32_t t0, uint32_t n, uint32_t pos0,
+                          const float *q, const float *qsum, uint32_t rows, RowState<D> &st,
+                          Acc<D> &acc, float (*w)[HIPKV_WAVE]) {
     const uint32_t lane = lane_id();
-    float s[kMaxRows];
+    float s[kRows<D>];
     if (lane < n) {
-        if (p.pre_rope)
-            score_token_pre_rope<KF, D>(p, k, t0 + lane, pos0 + t0 + lane, q, rows, s);
-        else
-            score_token<KF, D>(p, k, t0 + lane, q, qsum, rows, s);
+        const uint32_t t = t0 + lane;
+        if (p.pre_rope) {
+            if (k_f16)
+                score_token_pre_rope<HIPKV_F16, D>(p, k, t, pos0 + t, q, rows, s);
+            else
+                score_token_pre_rope<KF, D>(p, k, t, pos0 + t, q, rows, s);
+        } else if (k_f16) {
+            score_token<HIPKV_F16, D>(p, k, t, q, qsum, rows, s);
+        } else {
+            score_token<KF, D>(p, k, t, q, qsum, rows, s);
+        }
     } else {
-        for (int r = 0; r < kMaxRows; ++r) s[r] = kNegInf;
+        for (int r = 0; r < kRows<D>; ++r) s[r] = kNegInf;
     }
     barrier();  // the previous run's weights have been read
-    for (int r = 0; r < kMaxRows; ++r) {
+    for (int r = 0; r < kRows<D>; ++r) {
         if ((uint32_t)r >= rows) continue;
         const float run_max = wave_max(s[r]);
         const float m = fmaxf(st.max[r], run_max);
@@ -259,25 +292,21 @@ HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const
         w[r][lane] = e;
     }
     barrier();  // every weight is in LDS
-    accumulate_values<VF, D>(v, t0, n, w, rows, acc);
+    if (v_f16)
+        accumulate_values<HIPKV_F16, D>(v, t0, n, w, rows, acc);
+    else
+        accumulate_values<VF, D>(v, t0, n, w, rows, acc);
 }
 
 template <int KF, int VF, int D>
 HIPKV_DEV void attend_block(const hipkv_attn_params &p, const StreamView &k, const StreamView &v,
                             bool k_f16, bool v_f16, uint32_t tokens, uint32_t pos0,
-                            const float *q, const float *qsum, uint32_t rows, RowState &st,
+                            const float *q, const float *qsum, uint32_t rows, RowState<D> &st,
                             Acc<D> &acc, float (*w)[HIPKV_WAVE]) {
+    HIPKV_ROLLED
     for (uint32_t t0 = 0; t0 < tokens; t0 += HIPKV_WAVE) {
         const uint32_t n = tokens - t0 < HIPKV_WAVE ? tokens - t0 : HIPKV_WAVE;
-        // Sinks and a per-channel stream's open page are f16 rows; the branch is uniform.
-        if (k_f16 && v_f16)
-            attend_run<HIPKV_F16, HIPKV_F16, D>(p, k, v, t0, n, pos0, q, qsum, rows, st, acc, w);
-        else if (k_f16)
-            attend_run<HIPKV_F16, VF, D>(p, k, v, t0, n, pos0, q, qsum, rows, st, acc, w);
-        else if (v_f16)
-            attend_run<KF, HIPKV_F16, D>(p, k, v, t0, n, pos0, q, qsum, rows, st, acc, w);
-        else
-            attend_run<KF, VF, D>(p, k, v, t0, n, pos0, q, qsum, rows, st, acc, w);
+        attend_run<KF, VF, D>(p, k, v, k_f16, v_f16, t0, n, pos0, q, qsum, rows, st, acc, w);
     }
 }
 
@@ -297,7 +326,8 @@ HIPKV_DEV StreamView page_stream(const uint8_t *block, const hipkv_stream_layout
     StreamView s;
     s.rows = block + l.rows;
     s.row_bytes = l.row_bytes;
-    s.params = block + l.params;
+    // Parameters read at uniform addresses would otherwise be scalar loads held in SGPRs.
+    s.params = vector_ptr(block + l.params);
     s.counts = block + l.counts;
     s.slots = block + l.slots;
     s.cap = l.outlier_slots;
@@ -307,17 +337,22 @@ HIPKV_DEV StreamView page_stream(const uint8_t *block, const hipkv_stream_layout
 
 template <int KF, int VF, int D>
 HIPKV_DEV void attention(const hipkv_attn_params &p) {
-    __shared__ float weights[kMaxRows][HIPKV_WAVE];
-    const uint32_t split = blockIdx.x, head = blockIdx.y, query = blockIdx.z;
-    const uint32_t rows = p.gqa, lane = lane_id();
+    __shared__ float weights[kRows<D>][HIPKV_WAVE];
+    const uint32_t groups = (p.gqa + kRows<D> - 1) / kRows<D>;  // row groups per KV head
+    const uint32_t split = blockIdx.x, head = blockIdx.y / groups, query = blockIdx.z;
+    const uint32_t row0 = (blockIdx.y % groups) * kRows<D>;
+    const uint32_t rows = p.gqa - row0 < (uint32_t)kRows<D> ? p.gqa - row0 : kRows<D>;
+    const uint32_t lane = lane_id();
     const uint32_t len = p.seq_len[query];
     const size_t qh = (size_t)query * p.kv_heads + head;
-    const float *q = p.q + qh * rows * D;
-    const float *qsum = p.q_group_sums + qh * rows * (D / p.k.group);
+    const float *q = vector_ptr(p.q + (qh * p.gqa + row0) * D);
+    // Query sums are laid out [group][row] per (query, KV head): one offset per group.
+    const float *qsum =
+        vector_ptr(p.q_group_sums + qh * p.gqa * (D >> log2_pow2(p.k.group)) + row0);
 
-    RowState st;
+    RowState<D> st;
     Acc<D> acc;
-    for (int r = 0; r < kMaxRows; ++r) {
+    for (int r = 0; r < kRows<D>; ++r) {
         st.max[r] = kNegInf;
         st.sum[r] = 0.0f;
         acc.min_sum[r] = 0.0f;
@@ -335,6 +370,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
     const uint32_t pages = len > p.sinks ? (len - p.sinks + g - 1) / g : 0;
     const uint32_t first = split * p.pages_per_split;
     const uint32_t last = first + p.pages_per_split < pages ? first + p.pages_per_split : pages;
+    HIPKV_ROLLED
     for (uint32_t page = first; page < last; ++page) {
         const uint32_t pos0 = p.sinks + page * g;
         const uint32_t tokens = len - pos0 < g ? len - pos0 : g;
@@ -348,8 +384,10 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
             v_open, tokens, pos0, q, qsum, rows, st, acc, weights);
     }
 
-    const size_t out = (qh * p.splits + split) * rows;
-    for (uint32_t r = 0; r < rows && r < (uint32_t)kMaxRows; ++r) {
+    const size_t out = (qh * p.splits + split) * p.gqa + row0;
+    // Rows in a loop of constant trip count: the state arrays stay in registers.
+    for (int r = 0; r < kRows<D>; ++r) {
+        if ((uint32_t)r >= rows) continue;
         if (lane == 0) {
             p.partial_max[out + r] = st.max[r];
             p.partial_sum[out + r] = st.sum[r];
@@ -362,6 +400,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 
 }  // namespace hipkv
 
+#if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
 // Merges the splits of each output row: Σ 2^(m_s − M) acc_s / Σ 2^(m_s − M) l_s. One workgroup
 // per row; lane i takes channels i, i + 32, ...
 HIPKV_KERNEL(hipkv_attn_combine, hipkv_combine_params) {
@@ -387,6 +426,7 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_combine_params) {
         p.out[(size_t)row * p.head_dim + c] = o * inv;
     }
 }
+#endif
 
 // The decode kernels: hipkv_attn_<key format>_<value format>_d<head_dim>.
 #define HIPKV_ATTN(KN, KF, VN, VF, D)                                                  \
@@ -410,6 +450,14 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_combine_params) {
     HIPKV_ATTN_V(q4_chan, HIPKV_Q4_CHAN, D)          \
     HIPKV_ATTN_V(q2_chan, HIPKV_Q2_CHAN, D)
 
+// build.rs compiles one code object per head_dim (HIPKV_HEAD_DIM), in parallel; the emulator
+// takes them all.
+#if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
 HIPKV_ATTN_KV(64)
+#endif
+#if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 128
 HIPKV_ATTN_KV(128)
+#endif
+#if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 256
 HIPKV_ATTN_KV(256)
+#endif

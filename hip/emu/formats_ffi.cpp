@@ -32,3 +32,6 @@ extern "C" void hipkv_ffi_codes8(int format, const uint8_t *row, uint32_t c, flo
         default: hipkv::codes8<HIPKV_Q2_TOK>(row, c, out); break;
     }
 }
+
+// HIPKV_ROWS(head_dim), for the Rust mirror's test.
+extern "C" uint32_t hipkv_ffi_rows(uint32_t head_dim) { return HIPKV_ROWS(head_dim); }

@@ -20,6 +20,10 @@ namespace hipkv {
 #define HIPKV_Q8_0_BLOCK 32
 #define HIPKV_Q8_0_BLOCK_BYTES 34
 
+// log2 of a power of two: channel groups are powers of two, and a shift costs one instruction
+// where a division by a run-time value costs dozens (and registers).
+HIPKV_HD uint32_t log2_pow2(uint32_t x) { return (uint32_t)__builtin_ctz(x); }
+
 HIPKV_HD uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 HIPKV_HD float load_f16(const uint8_t *p) { return half_to_float(load_u16(p)); }
 
@@ -97,7 +101,8 @@ HIPKV_HD void element_params(const uint8_t *row, const uint8_t *params, uint32_t
     } else if constexpr (F == HIPKV_Q8_0) {
         *scale = q8_0_scale(row, c);
     } else if constexpr (format_is_tok(F)) {
-        const uint8_t *p = params + 4 * (t * (head_dim / group) + c / group);
+        const uint32_t shift = log2_pow2(group);
+        const uint8_t *p = params + 4 * (t * (head_dim >> shift) + (c >> shift));
         *scale = load_f16(p);
         *min = load_f16(p + 2);
     } else if constexpr (format_is_chan(F)) {

@@ -24,6 +24,10 @@ enum hipkv_format {
 
 // Query heads per KV head the attention kernels handle at most.
 #define HIPKV_MAX_GQA 16
+// Query heads one attention workgroup computes, by head_dim: a GQA group of up to this many
+// reads each cached byte once; larger groups take several workgroups per KV head (whose repeat
+// reads usually hit L2). The per-lane state of these rows stays in registers at 8+ waves/SIMD.
+#define HIPKV_ROWS(head_dim) ((head_dim) <= 128 ? 8 : 4)
 // Lanes of a wave (wave32 on gfx1201; a warp on CUDA).
 #define HIPKV_WAVE 32
 // Work-items per workgroup of every kernel: one wave. A decode workgroup needs no more: its
@@ -42,8 +46,8 @@ typedef struct hipkv_stream_layout {
     uint32_t residual;      // 1: the open page's tokens stay f16 in the residual window
 } hipkv_stream_layout;
 
-// Split-K decode attention: one workgroup per (query, KV head, split); every query head of
-// the GQA group is computed by that workgroup so each cached byte is read once.
+// Split-K decode attention: one workgroup per (query, KV head × row group, split); every query
+// head of the row group (HIPKV_ROWS of the GQA group) is computed by that workgroup.
 typedef struct hipkv_attn_params {
     const uint8_t *pool;          // page pool of the layer
     uint64_t page_bytes;          // bytes of one page (all KV heads)
@@ -68,7 +72,7 @@ typedef struct hipkv_attn_params {
     const uint16_t *const *residual_v;
     const float *q;               // queries × kv_heads × gqa × head_dim, rotated and scaled
                                   // by softmax_scale · log2(e)
-    const float *q_group_sums;    // queries × kv_heads × gqa × (head_dim / k.group): the sum
+    const float *q_group_sums;    // queries × kv_heads × (head_dim / k.group) × gqa: the sum
                                   // of q over each key parameter group (per-token key formats)
     const float *rope_cos_sin;    // positions × head_dim/2 × {cos, sin} (pre_rope only)
     // Outputs, per (query, KV head, split, query row):

@@ -22,8 +22,11 @@
 #define HIPKV_HD __host__ __device__ __forceinline__
 #define HIPKV_DEV __device__ __forceinline__
 // A kernel entry point taking its params struct by value (hipModuleLaunchKernel passes it).
-#define HIPKV_KERNEL(NAME, PARAMS) \
-    extern "C" __global__ __launch_bounds__(HIPKV_THREADS) void NAME(PARAMS p)
+// The register allocator is asked for 8 waves per SIMD (≤ 192 VGPRs in wave32 on gfx12): the
+// decode kernels are memory-bound and need the waves in flight to hide DRAM latency.
+#define HIPKV_KERNEL(NAME, PARAMS)                                            \
+    extern "C" __global__ __launch_bounds__(HIPKV_THREADS)                   \
+        __attribute__((amdgpu_waves_per_eu(8))) void NAME(PARAMS p)
 #elif defined(__CUDACC__)
 #include <cuda_fp16.h>
 #define HIPKV_HD __host__ __device__ __forceinline__
@@ -32,6 +35,15 @@
     extern "C" __global__ __launch_bounds__(HIPKV_THREADS) void NAME(PARAMS p)
 #else
 #define HIPKV_HD inline
+#endif
+
+// Keeps a loop rolled: the row loops inside are unrolled (their state lives in registers), and
+// unrolling the channel and token loops around them too would multiply code size and compile
+// time for nothing on a memory-bound kernel.
+#if defined(__clang__)
+#define HIPKV_ROLLED _Pragma("unroll 1")
+#else
+#define HIPKV_ROLLED _Pragma("GCC unroll 1")
 #endif
 
 namespace hipkv {
@@ -109,6 +121,20 @@ HIPKV_DEV float exp2(float x) {
     return __builtin_amdgcn_exp2f(x);
 #else
     return exp2f(x);
+#endif
+}
+
+// `p`, with its uniformity hidden from the compiler so that loads through it are per-lane
+// (vector) loads of one address, which the cache broadcasts. Query rows loaded as uniform
+// (scalar) data would take dozens of SGPRs per channel chunk and spill.
+template <class T>
+HIPKV_DEV const T *vector_ptr(const T *p) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    uintptr_t v = reinterpret_cast<uintptr_t>(p);
+    asm volatile("" : "+v"(v));
+    return reinterpret_cast<const T *>(v);
+#else
+    return p;
 #endif
 }
 

@@ -6,7 +6,8 @@
 use std::ffi::{CString, c_char, c_int, c_void};
 
 use crate::abi::{
-    HIPKV_MAX_GQA, HIPKV_THREADS, hipkv_attn_params, hipkv_combine_params, hipkv_stream_layout,
+    HIPKV_MAX_GQA, HIPKV_THREADS, hipkv_attn_params, hipkv_combine_params, hipkv_rows,
+    hipkv_stream_layout,
 };
 use crate::cache::{Query, SeqState};
 use crate::error::{Error, Result};
@@ -115,10 +116,16 @@ pub(crate) fn attend(
         .flatten()
         .flat_map(|h| h.rows.iter().copied())
         .collect();
-    // Σ q over each key parameter group, per query row (for per-token key minimums).
+    // Σ q over each key parameter group (for per-token key minimums), laid out
+    // [query][KV head][group][row].
+    let groups = d / k_group;
     let q_group_sums: Vec<f32> = q
-        .chunks_exact(k_group)
-        .map(|g| g.iter().sum::<f32>())
+        .chunks_exact(gqa * d)
+        .flat_map(|head| {
+            (0..groups).flat_map(move |g| {
+                (0..gqa).map(move |r| head[r * d + g * k_group..][..k_group].iter().sum::<f32>())
+            })
+        })
         .collect();
     let rope_cos_sin = view.rope.map(|r| r.flat()).unwrap_or_default();
 
@@ -177,7 +184,12 @@ pub(crate) fn attend(
         partial_sum: partial_sum.as_mut_ptr(),
     };
     let name = attention_kernel_name(scheme.k, scheme.v, d);
-    let grid = [splits as u32, cfg.kv_heads as u32, queries.len() as u32];
+    let row_groups = (gqa as u32).div_ceil(hipkv_rows(d as u32));
+    let grid = [
+        splits as u32,
+        cfg.kv_heads as u32 * row_groups,
+        queries.len() as u32,
+    ];
     launch(&name, &params, grid)?;
 
     let mut out = vec![0f32; rows * d];
