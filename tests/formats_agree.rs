@@ -1,0 +1,204 @@
+//! `hip/include/formats.h` (what the kernels decode with) agrees with `src/quant` (the reference):
+//! the C++ functions, compiled for the host by `build.rs`, are called here on rows the Rust
+//! quantizers produced, for every format, head_dim and channel group.
+
+use half::f16;
+use hipkv::quant::{self, dequantize_chan_row, dequantize_row, quantize_chan, quantize_row};
+use hipkv::synth::Rng;
+use hipkv::{ChannelGroup, Format, LowBits};
+
+unsafe extern "C" {
+    fn hipkv_ffi_half_to_float(h: u16) -> f32;
+    fn hipkv_ffi_dequant_row(
+        format: i32,
+        row: *const u8,
+        params: *const u8,
+        t: u32,
+        head_dim: u32,
+        group: u32,
+        out: *mut f32,
+    );
+    fn hipkv_ffi_codes8(format: i32, row: *const u8, c: u32, out: *mut f32);
+    fn hipkv_ffi_rows(head_dim: u32) -> u32;
+}
+
+#[test]
+fn rows_per_workgroup_agree_with_the_header() {
+    for d in [64, 128, 256] {
+        // SAFETY: a pure function of its argument.
+        assert_eq!(
+            unsafe { hipkv_ffi_rows(d) },
+            hipkv::abi::hipkv_rows(d),
+            "head_dim {d}"
+        );
+    }
+}
+
+#[test]
+fn format_numbers_agree_with_the_header() {
+    use hipkv::abi::*;
+    let tok = |bits| Format::Tok {
+        bits,
+        group: ChannelGroup::Channels(32),
+    };
+    for (f, code) in [
+        (Format::F16, hipkv_format_HIPKV_F16),
+        (Format::Q8, hipkv_format_HIPKV_Q8),
+        (Format::Q8_0, hipkv_format_HIPKV_Q8_0),
+        (tok(LowBits::Four), hipkv_format_HIPKV_Q4_TOK),
+        (tok(LowBits::Two), hipkv_format_HIPKV_Q2_TOK),
+        (
+            Format::Chan {
+                bits: LowBits::Four,
+            },
+            hipkv_format_HIPKV_Q4_CHAN,
+        ),
+        (
+            Format::Chan { bits: LowBits::Two },
+            hipkv_format_HIPKV_Q2_CHAN,
+        ),
+    ] {
+        assert_eq!(f.abi_code(), code, "{f}");
+    }
+}
+
+/// The C++ dequantization of token `t`: `row` its packed row, `params` the page's section.
+fn cpp_dequant(f: Format, row: &[u8], params: &[u8], t: usize, d: usize) -> Vec<f32> {
+    let group = match f {
+        Format::Tok { group, .. } => group.size(d),
+        _ => d,
+    };
+    assert!(row.len() >= f.row_bytes(d) && params.len() >= f.params_bytes(t + 1, d));
+    let mut out = vec![0f32; d];
+    // SAFETY: `row` holds a full row and `params` the parameters of tokens `0..=t` (asserted);
+    // the function writes `d` floats into `out`.
+    unsafe {
+        hipkv_ffi_dequant_row(
+            f.abi_code() as i32,
+            row.as_ptr(),
+            params.as_ptr(),
+            t as u32,
+            d as u32,
+            group as u32,
+            out.as_mut_ptr(),
+        )
+    };
+    out
+}
+
+#[test]
+fn half_to_float_is_exact_for_every_bit_pattern() {
+    for bits in 0..=u16::MAX {
+        // SAFETY: a pure function of its argument.
+        let got = unsafe { hipkv_ffi_half_to_float(bits) };
+        let want = f16::from_bits(bits).to_f32();
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "{bits:#06x}: {got} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn per_token_formats_dequantize_as_the_reference() {
+    let mut rng = Rng::new(3);
+    let tok = |bits, group| Format::Tok { bits, group };
+    for d in [64, 128, 256] {
+        let mut formats = vec![Format::F16, Format::Q8, Format::Q8_0];
+        for bits in [LowBits::Four, LowBits::Two] {
+            for g in [
+                ChannelGroup::Channels(32),
+                ChannelGroup::Channels(64),
+                ChannelGroup::Channels(128),
+                ChannelGroup::Head,
+            ] {
+                formats.push(tok(bits, g));
+            }
+        }
+        for f in formats {
+            // Three tokens in one page, so token indexing into the parameters is exercised.
+            let tokens = 3;
+            let (rb, pb) = (f.row_bytes(d), f.params_bytes(1, d));
+            let mut rows = vec![0u8; tokens * rb];
+            let mut params = vec![0u8; tokens * pb];
+            let x: Vec<f32> = rng
+                .normals(tokens * d)
+                .iter()
+                .map(|v| quant::round_f16(v * 3.0))
+                .collect();
+            for t in 0..tokens {
+                quantize_row(
+                    f,
+                    &x[t * d..(t + 1) * d],
+                    &mut rows[t * rb..(t + 1) * rb],
+                    &mut params[t * pb..(t + 1) * pb],
+                );
+            }
+            for t in 0..tokens {
+                let row = &rows[t * rb..(t + 1) * rb];
+                let mut want = vec![0f32; d];
+                dequantize_row(f, row, &params[t * pb..(t + 1) * pb], &mut want);
+                let got = cpp_dequant(f, row, &params, t, d);
+                assert_eq!(got, want, "{f} d={d} token {t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn per_channel_formats_dequantize_as_the_reference() {
+    let mut rng = Rng::new(4);
+    for d in [64, 128, 256] {
+        for bits in [LowBits::Four, LowBits::Two] {
+            let f = Format::Chan { bits };
+            let tokens = 32;
+            let x = rng.normals(tokens * d);
+            let mut rows = vec![0u8; tokens * f.row_bytes(d)];
+            let mut params = vec![0u8; f.params_bytes(tokens, d)];
+            quantize_chan(bits, &x, d, &mut rows, &mut params);
+            for t in [0, 5, 31] {
+                let row = &rows[t * f.row_bytes(d)..(t + 1) * f.row_bytes(d)];
+                let mut want = vec![0f32; d];
+                dequantize_chan_row(bits, row, &params, &mut want);
+                assert_eq!(cpp_dequant(f, row, &params, t, d), want, "{f} d={d} t={t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn eight_channel_decoders_read_codes_in_channel_order() {
+    let mut rng = Rng::new(5);
+    let row: Vec<u8> = (0..256).map(|_| rng.below(256) as u8).collect();
+    let cases = [
+        (Format::F16, None),
+        (Format::Q8, None),
+        (Format::Q8_0, None),
+        (
+            Format::Chan {
+                bits: LowBits::Four,
+            },
+            Some(LowBits::Four),
+        ),
+        (Format::Chan { bits: LowBits::Two }, Some(LowBits::Two)),
+    ];
+    for (f, bits) in cases {
+        for c in (0..64).step_by(8) {
+            let mut got = [0f32; 8];
+            // SAFETY: every format reads at most 16 bytes at `c ≤ 56` within the 256-byte row
+            // (q8_0: block `c / 32` of 34 bytes).
+            unsafe { hipkv_ffi_codes8(f.abi_code() as i32, row.as_ptr(), c, got.as_mut_ptr()) };
+            for (i, g) in got.iter().enumerate() {
+                let j = c as usize + i;
+                let want = match (f, bits) {
+                    (Format::F16, _) => quant::get_f16(&row, 2 * j),
+                    (Format::Q8, _) => f32::from(row[j] as i8),
+                    (Format::Q8_0, _) => f32::from(row[j / 32 * 34 + 2 + j % 32] as i8),
+                    (_, Some(b)) => f32::from(quant::code_at(&row, b, j)),
+                    _ => unreachable!(),
+                };
+                assert_eq!(*g, want, "{f} channel {j}");
+            }
+        }
+    }
+}
