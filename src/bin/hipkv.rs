@@ -139,7 +139,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
     match hipkv::kernels::gpu_build_skipped() {
         Some(why) => println!("  hip  unavailable  no GPU kernels in this build: {why}"),
         None => {
-            let archs: Vec<&str> = objects.iter().map(|o| o.arch).collect();
+            let mut archs: Vec<&str> = objects.iter().map(|o| o.arch).collect();
+            archs.dedup();
             println!(
                 "  hip  unavailable  kernels built for {} but the HIP runtime layer is not written yet",
                 archs.join(", ")
