@@ -204,7 +204,8 @@ fn arch_of_target(target: &str) -> Option<&str> {
 ///   the workgroups of 4 SIMDs, in CU mode a CU's 64 KiB with those of 2 SIMDs.
 ///
 /// Validated against the compiler's own `; Occupancy:` comments: `tests/data/codeobj-fixture.hip`
-/// (`src/codeobj.rs` tests) for gfx1201.
+/// (`src/codeobj.rs` tests) for gfx1201, and `scripts/check-occupancy-formula.sh` for every
+/// VGPR count 1–256 and 80 LDS × workgroup-size cases on each processor listed here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ArchLimits {
     /// VGPRs of one SIMD available to wave32 waves (`getTotalNumVGPRs`; wave64 gets half).
