@@ -185,7 +185,8 @@ fn arch_of_target(target: &str) -> Option<&str> {
 }
 
 /// The registers, wave slots and LDS that bound occupancy on one AMDGPU processor, as LLVM's
-/// AMDGPU backend models them (LLVM 19, the compiler `build.rs` drives).
+/// AMDGPU backend models them: LLVM 19, the clang `scripts/install-hip-toolchain.sh` installs
+/// for `build.rs` (another compiler, such as a ROCm hipcc, may differ: rerun the check below).
 ///
 /// From `llvm/lib/Target/AMDGPU/Utils/AMDGPUBaseInfo.cpp` (`IsaInfo::getTotalNumVGPRs`,
 /// `getVGPRAllocGranule`, `getMaxWavesPerEU`, `getNumWavesPerEUWithNumVGPRs`,
