@@ -6,6 +6,7 @@
 pub mod abi;
 pub mod backend;
 pub mod cache;
+pub mod codeobj;
 pub mod error;
 pub mod kernels;
 pub mod quant;

@@ -64,3 +64,47 @@ fn malformed_flags_are_usage_errors() {
         assert_eq!(out.status.code(), Some(2), "{args:?}");
     }
 }
+
+#[test]
+fn info_kernels_lists_every_kernel_or_says_why_there_are_none() {
+    let out = hipkv(&["info", "--kernels"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(out.status.success(), "{text}{err}");
+    if hipkv::kernels::code_objects().is_empty() {
+        let why = hipkv::kernels::gpu_build_skipped().unwrap();
+        assert!(
+            text.contains(&format!("no GPU kernels in this build: {why}")),
+            "{text}"
+        );
+        return;
+    }
+    let header = text
+        .lines()
+        .find(|l| l.starts_with("kernel "))
+        .unwrap_or_else(|| panic!("no table header:\n{text}"));
+    for column in [
+        "arch",
+        "VGPRs",
+        "SGPRs",
+        "VGPR spills",
+        "SGPR spills",
+        "scratch B",
+        "LDS B",
+        "wave",
+        "waves/SIMD",
+    ] {
+        assert!(header.contains(column), "{header}");
+    }
+    let kernels = hipkv::codeobj::embedded_kernels().unwrap();
+    assert!(!kernels.is_empty());
+    for k in &kernels {
+        let cells = text
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|c| c.first() == Some(&k.name.as_str()) && c.get(1) == Some(&k.arch.as_str()))
+            .unwrap_or_else(|| panic!("no row for {} ({}):\n{text}", k.name, k.arch));
+        assert_eq!(cells[2], k.vgpr_count.to_string(), "{cells:?}");
+        assert_eq!(cells.len(), 10, "{cells:?}");
+    }
+}

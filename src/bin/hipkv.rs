@@ -1,5 +1,6 @@
-//! `hipkv`: which backends this build can run and what each scheme stores (`info`), and how fast
-//! decode attention reads each scheme's cache compared with memcpy (`bench`).
+//! `hipkv`: which backends this build can run and what each scheme stores (`info`), what each
+//! GPU kernel of this build uses (`info --kernels`), and how fast decode attention reads each
+//! scheme's cache compared with memcpy (`bench`).
 
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -51,6 +52,10 @@ struct InfoArgs {
     /// Head dimension for the memory table.
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
+    /// Instead, list the resources of every GPU kernel in this build (registers, spills,
+    /// scratch, LDS, occupancy), read from the embedded code objects.
+    #[arg(long)]
+    kernels: bool,
 }
 
 #[derive(Args)]
@@ -91,6 +96,8 @@ enum CliError {
     Usage(String),
     #[error("cannot write JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("cannot read an embedded code object: {0}")]
+    CodeObject(#[from] hipkv::codeobj::CodeObjectError),
 }
 
 fn main() -> ExitCode {
@@ -109,6 +116,9 @@ fn main() -> ExitCode {
 }
 
 fn info(args: &InfoArgs) -> Result<(), CliError> {
+    if args.kernels {
+        return info_kernels();
+    }
     let d = args.head_dim;
     let names: Vec<String> = PRESETS
         .iter()
@@ -182,6 +192,34 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          outliers: ~1% of key elements kept exact in a sparse store ({outlier_slots} slots per token).\n\
          pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
          q*_chan keys also keep an f16 residual page (32 tokens) per sequence and KV head."
+    );
+    Ok(())
+}
+
+/// `info --kernels`: the resource table of the embedded code objects, or why there are none.
+fn info_kernels() -> Result<(), CliError> {
+    println!("hipkv {}\n", env!("CARGO_PKG_VERSION"));
+    let objects = hipkv::kernels::code_objects();
+    if objects.is_empty() {
+        let why = hipkv::kernels::gpu_build_skipped().unwrap_or("no code objects were embedded");
+        println!("no GPU kernels in this build: {why}");
+        return Ok(());
+    }
+    let kernels = hipkv::codeobj::embedded_kernels()?;
+    let sources: Vec<&str> = objects.iter().map(|o| o.source).collect();
+    println!(
+        "{} GPU kernels in {} code object{} ({})\n",
+        kernels.len(),
+        objects.len(),
+        if objects.len() == 1 { "" } else { "s" },
+        sources.join(", ")
+    );
+    print!("{}", hipkv::codeobj::resource_table(&kernels));
+    println!(
+        "\nVGPRs per work-item, SGPRs per wave; scratch: bytes per work-item, spills included; \
+         LDS: static bytes per workgroup.\n\
+         waves/SIMD: the occupancy the VGPRs, LDS and workgroup size allow when the kernel runs \
+         alone (LLVM's model; `?` for an arch it is not known for)."
     );
     Ok(())
 }

@@ -1,0 +1,144 @@
+//! The gfx1201 resource report of the embedded attention kernels: every kernel is there, none
+//! spills or uses scratch, and every decode kernel keeps at least 8 waves per SIMD. Without
+//! embedded kernels (no HIP compiler at build time) the checks are skipped and say why, unless
+//! `HIPKV_REQUIRE_HIP=1`, which makes that a failure.
+
+use std::io::Write as _;
+use std::sync::Once;
+
+use hipkv::codeobj::{KernelResources, embedded_kernels, resource_table};
+use hipkv::kernels::{attention_kernel_name, code_objects, gpu_build_skipped};
+use hipkv::scheme::HEAD_DIMS;
+
+/// Every storage format, by its scheme spelling.
+const FORMATS: [&str; 7] = [
+    "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
+];
+/// Decode attention is latency-bound on its loads: it needs this many waves per SIMD in flight.
+const MIN_DECODE_WAVES: u32 = 8;
+const ARCH: &str = "gfx1201";
+
+/// The gfx1201 kernels, or `None` (after saying why) when the build embedded none.
+fn gfx1201_kernels() -> Option<Vec<KernelResources>> {
+    let skip = |why: String| {
+        if std::env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1") {
+            panic!("HIPKV_REQUIRE_HIP=1 but {why}");
+        }
+        // Straight to stderr, past the test harness's capture of passing tests' output, once
+        // per run (on lines of its own: the harness may be midway through a line).
+        static SAID: Once = Once::new();
+        SAID.call_once(|| {
+            let _ = writeln!(
+                std::io::stderr(),
+                "\nSKIPPED: the {ARCH} resource checks of tests/resources.rs: {why}\n"
+            );
+        });
+        None
+    };
+    if code_objects().is_empty() {
+        let why = gpu_build_skipped().unwrap_or("no code objects were embedded");
+        return skip(format!("this build has no GPU kernels: {why}"));
+    }
+    let all = embedded_kernels().expect("the embedded code objects parse");
+    let ours: Vec<KernelResources> = all.into_iter().filter(|k| k.arch == ARCH).collect();
+    if ours.is_empty() {
+        // The arch list is the builder's choice (HIPKV_ARCHS); gfx1201 is the default target.
+        let archs: Vec<&str> = code_objects().iter().map(|o| o.arch).collect();
+        return skip(format!(
+            "no {ARCH} code object (kernels built for {archs:?})"
+        ));
+    }
+    Some(ours)
+}
+
+/// Asserts `ok`, printing the whole resource table when it fails.
+fn check(kernels: &[KernelResources], ok: bool, what: String) {
+    assert!(ok, "{what}\n\n{}", resource_table(kernels));
+}
+
+#[test]
+fn every_attention_kernel_is_built() {
+    let Some(kernels) = gfx1201_kernels() else {
+        return;
+    };
+    let has = |name: &str| kernels.iter().any(|k| k.name == name);
+    let mut missing = Vec::new();
+    for k in FORMATS {
+        for v in FORMATS {
+            for d in HEAD_DIMS {
+                let name = attention_kernel_name(k.parse().unwrap(), v.parse().unwrap(), d);
+                if !has(&name) {
+                    missing.push(name);
+                }
+            }
+        }
+    }
+    if !has("hipkv_attn_combine") {
+        missing.push("hipkv_attn_combine".into());
+    }
+    check(
+        &kernels,
+        missing.is_empty(),
+        format!("missing kernels: {missing:?}"),
+    );
+}
+
+#[test]
+fn no_spills_and_no_scratch() {
+    let Some(kernels) = gfx1201_kernels() else {
+        return;
+    };
+    let bad: Vec<&str> = kernels
+        .iter()
+        .filter(|k| {
+            k.vgpr_spill_count != 0 || k.sgpr_spill_count != 0 || k.private_segment_fixed_size != 0
+        })
+        .map(|k| k.name.as_str())
+        .collect();
+    check(
+        &kernels,
+        bad.is_empty(),
+        format!("kernels that spill or use scratch: {bad:?}"),
+    );
+}
+
+#[test]
+fn decode_kernels_keep_eight_waves_per_simd() {
+    let Some(kernels) = gfx1201_kernels() else {
+        return;
+    };
+    let decode: Vec<&KernelResources> = kernels.iter().filter(|k| is_decode(&k.name)).collect();
+    check(
+        &kernels,
+        decode.len() == FORMATS.len() * FORMATS.len() * HEAD_DIMS.len(),
+        format!("{} decode kernels", decode.len()),
+    );
+    let low: Vec<String> = decode
+        .iter()
+        .filter(|k| {
+            k.occupancy_waves_per_simd
+                .is_none_or(|o| o < MIN_DECODE_WAVES)
+        })
+        .map(|k| format!("{} ({:?})", k.name, k.occupancy_waves_per_simd))
+        .collect();
+    check(
+        &kernels,
+        low.is_empty(),
+        format!("decode kernels below {MIN_DECODE_WAVES} waves per SIMD: {low:?}"),
+    );
+}
+
+/// `hipkv_attn_<k>_<v>_d<head_dim>`, not `hipkv_attn_combine`.
+fn is_decode(name: &str) -> bool {
+    name.strip_prefix("hipkv_attn_")
+        .and_then(|rest| rest.rsplit_once("_d"))
+        .is_some_and(|(_, d)| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
+#[test]
+fn decode_kernel_names() {
+    assert!(is_decode("hipkv_attn_q8_0_q2_chan_d256"));
+    assert!(is_decode("hipkv_attn_f16_f16_d64"));
+    assert!(!is_decode("hipkv_attn_combine"));
+    assert!(!is_decode("hipkv_attn_f16_f16_d"));
+}
