@@ -25,7 +25,11 @@ const HEADERS: &[&str] = &[
     "hip/emu/emu.h",
 ];
 /// Host sources of the emulator itself.
-const EMU_SOURCES: &[&str] = &["hip/emu/emu.cpp", "hip/emu/formats_ffi.cpp"];
+const EMU_SOURCES: &[&str] = &[
+    "hip/emu/emu.cpp",
+    "hip/emu/formats_ffi.cpp",
+    "hip/emu/selftest.cpp",
+];
 
 const ENV_VARS: &[&str] = &[
     "DOCS_RS",

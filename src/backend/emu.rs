@@ -209,3 +209,85 @@ pub(crate) fn attend(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `hipkv_emu_selftest_params` of `hip/emu/selftest.cpp`.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct SelftestParams {
+        out: *mut f32,
+        mode: u32,
+    }
+
+    fn run(mode: u32, groups: u32) -> (Vec<f32>, Result<()>) {
+        let mut out = vec![0f32; (groups * HIPKV_THREADS) as usize];
+        let params = SelftestParams {
+            out: out.as_mut_ptr(),
+            mode,
+        };
+        let result = launch("hipkv_emu_selftest", &params, [groups, 1, 1]);
+        (out, result)
+    }
+
+    fn error_of(mode: u32) -> String {
+        match run(mode, 3).1 {
+            Err(Error::Emulator { message, .. }) => message,
+            other => panic!("mode {mode}: expected an emulator error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn lanes_exchange_in_lockstep() {
+        let (out, result) = run(0, 4);
+        result.unwrap();
+        for (i, x) in out.iter().enumerate() {
+            let lane = i % 32;
+            assert_eq!(*x, (lane ^ 1) as f32 + 1000.0 * 496.0, "work-item {i}");
+        }
+    }
+
+    #[test]
+    fn shared_memory_and_barriers_are_per_workgroup() {
+        let (out, result) = run(1, 5);
+        result.unwrap();
+        // Σ 0..32 in every work-item of every workgroup, whichever OS thread ran it.
+        assert!(out.iter().all(|&x| x == 496.0), "{out:?}");
+    }
+
+    #[test]
+    fn divergence_is_an_error_not_a_hang() {
+        assert!(
+            error_of(2).contains("finished while others wait"),
+            "{}",
+            error_of(2)
+        );
+        assert!(error_of(3).contains("lockstep"), "{}", error_of(3));
+        assert!(
+            error_of(4).contains("different barriers"),
+            "{}",
+            error_of(4)
+        );
+    }
+
+    #[test]
+    fn launch_errors_name_the_problem() {
+        let params = SelftestParams {
+            out: std::ptr::null_mut(),
+            mode: 0,
+        };
+        let missing = launch("hipkv_no_such_kernel", &params, [1, 1, 1]).unwrap_err();
+        assert!(
+            missing
+                .to_string()
+                .contains("no kernel named hipkv_no_such_kernel")
+        );
+        let wrong_size = launch("hipkv_emu_selftest", &0u8, [1, 1, 1]).unwrap_err();
+        assert!(
+            wrong_size.to_string().contains("bytes of params"),
+            "{wrong_size}"
+        );
+    }
+}
