@@ -108,10 +108,11 @@ fn decode_kernels_keep_eight_waves_per_simd() {
         return;
     };
     let decode: Vec<&KernelResources> = kernels.iter().filter(|k| is_decode(&k.name)).collect();
+    let expected = FORMATS.len() * FORMATS.len() * HEAD_DIMS.len();
     check(
         &kernels,
-        decode.len() == FORMATS.len() * FORMATS.len() * HEAD_DIMS.len(),
-        format!("{} decode kernels", decode.len()),
+        decode.len() == expected,
+        format!("{} decode kernels, expected {expected}", decode.len()),
     );
     let low: Vec<String> = decode
         .iter()
