@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{config, fill, naive_attend, rel_err, with_rope};
+use common::{assert_rows_close, config, fill, naive_attend, rel_err, with_rope};
 use hipkv::scheme::PRESETS;
 use hipkv::synth::Rng;
 use hipkv::{KvCache, RopeLayout};
@@ -21,20 +21,13 @@ fn check(cfg: hipkv::CacheConfig, len: usize, chunk: usize, q_len: usize, seed: 
     let mut out = vec![0f32; q.len()];
     cache.attend(0, 0, &q, scale, &mut out).unwrap();
     let want = naive_attend(&cache, 0, &q, scale);
-    for (row, (g, w)) in out
-        .chunks_exact(cfg.head_dim)
-        .zip(want.chunks_exact(cfg.head_dim))
-        .enumerate()
-    {
-        let e = rel_err(g, w);
-        assert!(
-            e <= TOLERANCE,
-            "{} d={} gqa={} len={len} q_len={q_len} row {row}: rel err {e}",
-            cfg.scheme,
-            cfg.head_dim,
-            cfg.gqa()
-        );
-    }
+    let what = format!(
+        "{} d={} gqa={} len={len} q_len={q_len}",
+        cfg.scheme,
+        cfg.head_dim,
+        cfg.gqa()
+    );
+    assert_rows_close(&out, &want, cfg.head_dim, TOLERANCE, &what);
 }
 
 #[test]

@@ -117,6 +117,20 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
         / scale
 }
 
+/// Asserts every `head_dim`-row of `got` is within `tolerance` of the same row of `want`,
+/// relative to that row's largest element; `what` names the case in the failure message.
+pub fn assert_rows_close(got: &[f32], want: &[f32], head_dim: usize, tolerance: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: output lengths");
+    for (row, (g, w)) in got
+        .chunks_exact(head_dim)
+        .zip(want.chunks_exact(head_dim))
+        .enumerate()
+    {
+        let e = rel_err(g, w);
+        assert!(e <= tolerance, "{what} row {row}: rel err {e}");
+    }
+}
+
 /// Outliers that matter: values with a heavy tail (1% of elements ×30) and keys with outlier
 /// channels, so that dropping or misplacing one correction moves the output beyond tolerance.
 /// Thresholds come from 4000 tokens (with only the 150 attended, a 0.5% tail per channel would
@@ -148,9 +162,6 @@ pub fn check_heavy_tailed_outliers(backend: Backend) {
         let mut out = vec![0f32; q.len()];
         cache.attend(0, 0, &q, 0.125, &mut out).unwrap();
         let want = naive_attend(&cache, 0, &q, 0.125);
-        for (row, (g, w)) in out.chunks_exact(64).zip(want.chunks_exact(64)).enumerate() {
-            let e = rel_err(g, w);
-            assert!(e <= 1e-5, "{scheme} row {row}: rel err {e}");
-        }
+        assert_rows_close(&out, &want, 64, 1e-5, &format!("{backend:?} {scheme}"));
     }
 }
