@@ -8,7 +8,7 @@
 
 use half::f16;
 
-use crate::backend::{Backend, cpu};
+use crate::backend::{AppendTarget, Backend, cpu, emu_append};
 use crate::error::{Error, Result};
 use crate::quant::{self, OutlierThresholds, put_f16};
 use crate::rope::{Rope, RopeTable};
@@ -390,12 +390,65 @@ impl KvCache {
             // Rotation mixes channel pairs: a key within the f16 range may leave it.
             check_finite(Stream::K, &k, cfg.kv_heads, cfg.head_dim)?;
         }
-        let (k, v) = (quant::round_f16_slice(&k), quant::round_f16_slice(v));
-        for t in 0..n {
-            let row = t * width..(t + 1) * width;
-            self.append_token(layer, seq, &k[row.clone()], &v[row]);
+        match self.backend {
+            Backend::Cpu => {
+                let (k, v) = (quant::round_f16_slice(&k), quant::round_f16_slice(v));
+                for t in 0..n {
+                    let row = t * width..(t + 1) * width;
+                    self.append_token(layer, seq, &k[row.clone()], &v[row]);
+                }
+                Ok(())
+            }
+            Backend::Emu => self.append_emu(layer, seq, &quant::f16_bits(&k), &quant::f16_bits(v)),
         }
-        Ok(())
+    }
+
+    /// Stores validated tokens (f16 bits, `n × kv_heads × head_dim` per stream) with the
+    /// emulated append kernels. On an error the sequence is left as it was: the kernels write
+    /// only past its end, and the pages taken for the new tokens go back to the pool.
+    fn append_emu(&mut self, layer: usize, seq: usize, k: &[u16], v: &[u16]) -> Result<()> {
+        let n = k.len() / (self.config.kv_heads * self.config.head_dim);
+        let (sinks, g) = (self.config.scheme.sinks, self.config.scheme.group_tokens);
+        let Layer {
+            pool,
+            free,
+            seqs,
+            outliers,
+        } = &mut self.layers[layer];
+        let s = &mut seqs[seq];
+        let first_pos = s.len;
+        let pages_before = s.pages.len();
+        for pos in first_pos..first_pos + n {
+            if pos >= sinks && (pos - sinks).is_multiple_of(g) {
+                let page = free
+                    .pop()
+                    .expect("pool sized for every sequence's capacity");
+                s.pages.push(page);
+            }
+        }
+        let thresholds = [
+            outliers.as_ref().map(|o| &o.k),
+            outliers.as_ref().and_then(|o| o.v.as_ref()),
+        ];
+        let target = AppendTarget {
+            config: &self.config,
+            layout: &self.layout,
+            page_bytes: self.page_bytes,
+            pool,
+            seq: &mut *s,
+        };
+        match emu_append(target, thresholds, k, v, first_pos) {
+            Ok(dropped) => {
+                s.len += n;
+                self.outliers_dropped += dropped;
+                Ok(())
+            }
+            Err(e) => {
+                let taken: Vec<u32> = s.pages.drain(pages_before..).collect();
+                free.extend(taken.into_iter().rev());
+                Err(e)
+            }
+        }
     }
 
     /// Stores one validated, f16-rounded token (`kv_heads × head_dim` per stream).
@@ -560,7 +613,7 @@ impl KvCache {
         }
     }
 
-    /// Runs attention on `backend` from now on (the CPU by default).
+    /// Runs appends and attention on `backend` from now on (the CPU by default).
     pub fn set_backend(&mut self, backend: Backend) {
         self.backend = backend;
     }
@@ -607,6 +660,35 @@ impl KvCache {
             }
         }
         Ok((k, v))
+    }
+
+    /// Everything stored for `seq` in `layer`, as bytes in a canonical order: its pages in
+    /// block-table order, the sink rows it holds, then the residual-window rows that hold
+    /// tokens (keys, then values). Two caches that stored the same tokens the same way return
+    /// the same bytes, whichever pages they were given: tests compare backends with it.
+    pub fn stored_bytes(&self, layer: usize, seq: usize) -> Result<Vec<u8>> {
+        self.check_layer_seq(layer, seq)?;
+        let (h, row) = (self.config.kv_heads, self.config.head_dim * 2);
+        let (sinks, g) = (self.config.scheme.sinks, self.config.scheme.group_tokens);
+        let lay = &self.layers[layer];
+        let s = &lay.seqs[seq];
+        let mut out = Vec::new();
+        for &page in &s.pages {
+            out.extend_from_slice(&lay.pool[page as usize * self.page_bytes..][..self.page_bytes]);
+        }
+        let held = s.len.min(sinks);
+        for buf in &s.sinks {
+            for head in 0..h {
+                out.extend_from_slice(&buf[head * sinks * row..][..held * row]);
+            }
+        }
+        let open = s.len.saturating_sub(sinks) % g;
+        for buf in s.residual.iter().filter(|b| !b.is_empty()) {
+            for head in 0..h {
+                out.extend_from_slice(&buf[head * g * row..][..open * row]);
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -9,6 +9,7 @@ use hipkv::{ChannelGroup, Format, LowBits};
 
 unsafe extern "C" {
     fn hipkv_ffi_half_to_float(h: u16) -> f32;
+    fn hipkv_ffi_float_to_half(f: f32) -> u16;
     fn hipkv_ffi_dequant_row(
         format: i32,
         row: *const u8,
@@ -96,6 +97,37 @@ fn half_to_float_is_exact_for_every_bit_pattern() {
             got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
             "{bits:#06x}: {got} vs {want}"
         );
+    }
+}
+
+/// The f16 conversion of the emulator and plain host builds (the GPUs have their own) rounds as
+/// the `half` crate does: checked on every f16 value, its f32 neighbours, every exact tie
+/// between two f16 values and its neighbours, and a million random bit patterns.
+#[test]
+fn float_to_half_rounds_to_nearest_even() {
+    let check = |f: f32| {
+        // SAFETY: a pure function of its argument.
+        let got = unsafe { hipkv_ffi_float_to_half(f) };
+        let want = f16::from_f32(f).to_bits();
+        assert!(
+            got == want || (f16::from_bits(got).is_nan() && f.is_nan()),
+            "{f:e} ({:#010x}): {got:#06x} vs {want:#06x}",
+            f.to_bits()
+        );
+    };
+    let around = |f: f32| [f.next_down(), f, f.next_up()];
+    for bits in 0..=u16::MAX {
+        let h = f16::from_bits(bits);
+        around(h.to_f32()).into_iter().for_each(check);
+        let next = f16::from_bits(bits.wrapping_add(1));
+        if h.is_finite() && next.is_finite() {
+            let tie = (f64::from(h.to_f32()) + f64::from(next.to_f32())) / 2.0;
+            around(tie as f32).into_iter().for_each(check);
+        }
+    }
+    let mut rng = Rng::new(7);
+    for _ in 0..1_000_000 {
+        check(f32::from_bits(rng.next_u64() as u32));
     }
 }
 

@@ -1,7 +1,8 @@
-//! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`),
-//! against the naive f64 reference over the same cache bytes: every key × value format pair,
-//! head_dim 64/128/256, GQA 1–16, empty and partial pages, sinks, outliers, RoPE before and
-//! after quantization, long contexts with many splits and batches of sequences.
+//! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`) on
+//! a cache the append kernels filled, against the naive f64 reference over the same cache bytes:
+//! every key × value format pair, head_dim 64/128/256, GQA 1–16, empty and partial pages, sinks,
+//! outliers, RoPE before and after quantization, long contexts with many splits and batches of
+//! sequences.
 
 mod common;
 
@@ -26,10 +27,12 @@ fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
     cfg.sequences = lens.len();
     let mut rng = Rng::new(seed);
     let mut cache = KvCache::new(cfg).unwrap();
+    // The append kernels store the tokens (tests/append.rs checks their bytes), then the
+    // attention kernels read them: the device path end to end.
+    cache.set_backend(Backend::Emu);
     for (s, &len) in lens.iter().enumerate() {
         fill(&mut cache, s, len, 13, &mut rng);
     }
-    cache.set_backend(Backend::Emu);
     let width = cfg.q_heads * cfg.head_dim;
     let qs: Vec<Vec<f32>> = lens.iter().map(|_| rng.normals(width)).collect();
     let mut outs = vec![vec![0f32; width]; lens.len()];

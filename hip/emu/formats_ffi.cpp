@@ -3,6 +3,7 @@
 #include "formats.h"
 
 extern "C" float hipkv_ffi_half_to_float(uint16_t h) { return hipkv::half_to_float(h); }
+extern "C" uint16_t hipkv_ffi_float_to_half(float f) { return hipkv::float_to_half(f); }
 
 // Dequantizes channels [0, head_dim) of token `t` of a stream stored in `format`: `row` is the
 // token's packed row, `params` the stream's parameter section (page-relative, as in a page).

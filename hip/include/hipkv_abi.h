@@ -1,7 +1,7 @@
 // The device ABI of hipkv: the one params struct each kernel family takes, and the format
 // constants, shared by the kernels (HIP on a GPU, or the host emulator) and by Rust.
-// Plain C, fixed-width fields, no padding surprises: Rust mirrors these structs field by field
-// (src/kernels/abi.rs) and a test checks sizes and offsets against this header.
+// Plain C, fixed-width fields, no padding surprises: the Rust side (src/abi/generated.rs) is
+// generated from this header by bindgen, and tests/abi.rs fails when it is stale.
 #ifndef HIPKV_ABI_H
 #define HIPKV_ABI_H
 
@@ -80,6 +80,35 @@ typedef struct hipkv_attn_params {
     float *partial_max;           // running maximum of the base-2 logits
     float *partial_sum;           // sum of 2^(logit - max)
 } hipkv_attn_params;
+
+// Append: new tokens of one sequence, already in f16 (and rotated, unless keys are stored before
+// RoPE), written into one stream's storage. One launch per stream; grid (tokens, kv_heads), one
+// wave per (token, head):
+//   hipkv_append_<format>_d<head_dim>: sink tokens to the sink buffer; per-token formats quantize
+//     their row into its page; per-channel formats quantize every page this append completes,
+//     reading its older tokens from the residual window;
+//   hipkv_append_residual: per-channel formats only, launched after the first: the tokens of the
+//     page left open go to the residual window (after, because the first reads what they replace).
+// Outliers beyond the thresholds go to the page's sparse store, as `src/quant` does.
+typedef struct hipkv_append_params {
+    uint8_t *pool;                // page pool of the layer
+    uint64_t page_bytes;          // bytes of one page (all KV heads)
+    uint32_t head_block_bytes;    // bytes of one head's block in a page
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t group_tokens;        // tokens per page
+    uint32_t sinks;               // f16 sink tokens per sequence
+    uint32_t first_pos;           // position of the first new token (tokens stored before)
+    uint32_t tokens;              // new tokens
+    hipkv_stream_layout layout;   // the stream appended to
+    const uint32_t *block_table;  // page ids of the sequence, new pages included
+    const uint16_t *x;            // tokens × kv_heads × head_dim f16
+    uint16_t *sink_buf;           // kv_heads × sinks × head_dim f16
+    uint16_t *residual;           // kv_heads × group_tokens × head_dim f16 (per-channel formats)
+    const float *outlier_lo;      // kv_heads × head_dim thresholds; null: no outlier store
+    const float *outlier_hi;
+    uint64_t *outliers_dropped;   // outliers clipped for lack of slots, added atomically
+} hipkv_append_params;
 
 // Merges the splits of every (query, KV head, query row) into the output.
 typedef struct hipkv_combine_params {

@@ -84,6 +84,47 @@ HIPKV_HD float half_to_float(uint16_t h) {
 #endif
 }
 
+// Float to IEEE binary16 bits, rounded to nearest with ties to even (as the `half` crate and
+// the GPU's conversion round): overflow gives infinity, NaN stays a (quiet) NaN.
+HIPKV_HD uint16_t float_to_half(float f) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return __builtin_bit_cast(uint16_t, (_Float16)f);
+#elif defined(__CUDA_ARCH__)
+    return __half_as_ushort(__float2half_rn(f));
+#else
+    union {
+        float f;
+        uint32_t u;
+    } v;
+    v.f = f;
+    const uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000u);
+    const uint32_t mag = v.u & 0x7fffffffu;
+    if (mag > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((mag >> 13) & 0x3ffu));
+    // 65520 and above round to infinity (65504 is the largest finite half).
+    if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    uint32_t kept, rest, halfway;
+    if (mag >= 0x38800000u) {
+        // Normal: rebias the exponent (127 -> 15) and drop 13 mantissa bits.
+        const uint32_t r = mag - 0x38000000u;
+        kept = r >> 13;
+        rest = r & 0x1fffu;
+        halfway = 0x1000u;
+    } else if (mag >= 0x33000000u) {
+        // Subnormal half: the value in units of 2^-24, from the full 24-bit significand.
+        const uint32_t shift = 126u - (mag >> 23);
+        const uint32_t m = (mag & 0x7fffffu) | 0x800000u;
+        kept = m >> shift;
+        rest = m & ((1u << shift) - 1u);
+        halfway = 1u << (shift - 1u);
+    } else {
+        return sign;  // below half the smallest subnormal (2^-25 itself ties to even, 0)
+    }
+    // A carry out of the mantissa moves to the next binade (or to infinity), as it should.
+    if (rest > halfway || (rest == halfway && (kept & 1u))) ++kept;
+    return (uint16_t)(sign | kept);
+#endif
+}
+
 }  // namespace hipkv
 
 #if defined(HIPKV_EMU) || defined(__HIPCC__) || defined(__HIP__) || defined(__CUDACC__)
@@ -140,6 +181,15 @@ HIPKV_DEV const T *vector_ptr(const T *p) {
 
 // Workgroup barrier: every work-item of the workgroup must reach the same one.
 HIPKV_DEV void barrier() { __syncthreads(); }
+
+// `*p += x` as one atomic operation on device memory (other workgroups may add at once).
+HIPKV_DEV void atomic_add(uint64_t *p, uint64_t x) {
+#if defined(HIPKV_EMU)
+    __atomic_fetch_add(p, x, __ATOMIC_RELAXED);
+#else
+    atomicAdd(reinterpret_cast<unsigned long long *>(p), (unsigned long long)x);
+#endif
+}
 
 // 16 bytes from global memory in one load (`global_load_b128` on gfx1201).
 struct alignas(16) Bytes16 {

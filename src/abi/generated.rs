@@ -142,6 +142,75 @@ impl Default for hipkv_attn_params {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct hipkv_append_params {
+    pub pool: *mut u8,
+    pub page_bytes: u64,
+    pub head_block_bytes: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub group_tokens: u32,
+    pub sinks: u32,
+    pub first_pos: u32,
+    pub tokens: u32,
+    pub layout: hipkv_stream_layout,
+    pub block_table: *const u32,
+    pub x: *const u16,
+    pub sink_buf: *mut u16,
+    pub residual: *mut u16,
+    pub outlier_lo: *const f32,
+    pub outlier_hi: *const f32,
+    pub outliers_dropped: *mut u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of hipkv_append_params"][::std::mem::size_of::<hipkv_append_params>() - 136usize];
+    ["Alignment of hipkv_append_params"][::std::mem::align_of::<hipkv_append_params>() - 8usize];
+    ["Offset of field: hipkv_append_params::pool"]
+        [::std::mem::offset_of!(hipkv_append_params, pool) - 0usize];
+    ["Offset of field: hipkv_append_params::page_bytes"]
+        [::std::mem::offset_of!(hipkv_append_params, page_bytes) - 8usize];
+    ["Offset of field: hipkv_append_params::head_block_bytes"]
+        [::std::mem::offset_of!(hipkv_append_params, head_block_bytes) - 16usize];
+    ["Offset of field: hipkv_append_params::kv_heads"]
+        [::std::mem::offset_of!(hipkv_append_params, kv_heads) - 20usize];
+    ["Offset of field: hipkv_append_params::head_dim"]
+        [::std::mem::offset_of!(hipkv_append_params, head_dim) - 24usize];
+    ["Offset of field: hipkv_append_params::group_tokens"]
+        [::std::mem::offset_of!(hipkv_append_params, group_tokens) - 28usize];
+    ["Offset of field: hipkv_append_params::sinks"]
+        [::std::mem::offset_of!(hipkv_append_params, sinks) - 32usize];
+    ["Offset of field: hipkv_append_params::first_pos"]
+        [::std::mem::offset_of!(hipkv_append_params, first_pos) - 36usize];
+    ["Offset of field: hipkv_append_params::tokens"]
+        [::std::mem::offset_of!(hipkv_append_params, tokens) - 40usize];
+    ["Offset of field: hipkv_append_params::layout"]
+        [::std::mem::offset_of!(hipkv_append_params, layout) - 44usize];
+    ["Offset of field: hipkv_append_params::block_table"]
+        [::std::mem::offset_of!(hipkv_append_params, block_table) - 80usize];
+    ["Offset of field: hipkv_append_params::x"]
+        [::std::mem::offset_of!(hipkv_append_params, x) - 88usize];
+    ["Offset of field: hipkv_append_params::sink_buf"]
+        [::std::mem::offset_of!(hipkv_append_params, sink_buf) - 96usize];
+    ["Offset of field: hipkv_append_params::residual"]
+        [::std::mem::offset_of!(hipkv_append_params, residual) - 104usize];
+    ["Offset of field: hipkv_append_params::outlier_lo"]
+        [::std::mem::offset_of!(hipkv_append_params, outlier_lo) - 112usize];
+    ["Offset of field: hipkv_append_params::outlier_hi"]
+        [::std::mem::offset_of!(hipkv_append_params, outlier_hi) - 120usize];
+    ["Offset of field: hipkv_append_params::outliers_dropped"]
+        [::std::mem::offset_of!(hipkv_append_params, outliers_dropped) - 128usize];
+};
+impl Default for hipkv_append_params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct hipkv_combine_params {
     pub partial_acc: *const f32,
     pub partial_max: *const f32,

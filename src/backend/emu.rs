@@ -1,19 +1,20 @@
-//! The `emu` backend: the HIP kernels of `hip/attention.hip`, compiled for the host, run by the
-//! SIMT emulator of `hip/emu` through the launch path a GPU takes (a params struct, a grid and a
-//! workgroup shape). It reads the cache where the CPU backend does, so the differential tests
-//! compare the kernels' own code with the reference on the same bytes.
+//! The `emu` backend: the HIP kernels of `hip/` (append and attention), compiled for the host,
+//! run by the SIMT emulator of `hip/emu` through the launch path a GPU takes (a params struct, a
+//! grid and a workgroup shape). It reads and writes the cache where the CPU backend does, so the
+//! differential tests compare the kernels' own code with the reference on the same bytes.
 
 use std::ffi::{CString, c_char, c_int, c_void};
 
 use crate::abi::{
-    HIPKV_MAX_GQA, HIPKV_THREADS, hipkv_attn_params, hipkv_combine_params, hipkv_rows,
-    hipkv_stream_layout,
+    HIPKV_MAX_GQA, HIPKV_THREADS, hipkv_append_params, hipkv_attn_params, hipkv_combine_params,
+    hipkv_rows, hipkv_stream_layout,
 };
-use crate::cache::{Query, SeqState};
+use crate::cache::{CacheConfig, Query, SeqState};
 use crate::error::{Error, Result};
-use crate::kernels::attention_kernel_name;
+use crate::kernels::{append_kernel_name, attention_kernel_name};
+use crate::quant::OutlierThresholds;
 use crate::rope::RopeLayout;
-use crate::scheme::{Format, StreamLayout};
+use crate::scheme::{Format, HeadLayout, Stream, StreamLayout};
 
 use super::cpu::{CacheView, prepare_queries};
 
@@ -86,6 +87,63 @@ fn stream_abi(l: &StreamLayout, head_dim: usize) -> hipkv_stream_layout {
         group: u(group),
         residual: u32::from(l.format.is_grouped_by_tokens()),
     }
+}
+
+/// One layer's storage of one sequence, as the append kernels write it.
+pub(crate) struct AppendTarget<'a> {
+    pub(crate) config: &'a CacheConfig,
+    pub(crate) layout: &'a HeadLayout,
+    pub(crate) page_bytes: usize,
+    pub(crate) pool: &'a mut [u8],
+    /// The sequence, its pages for the new tokens already taken from the pool.
+    pub(crate) seq: &'a mut SeqState,
+}
+
+/// Appends `n` tokens (`k` and `v`: `n × kv_heads × head_dim` f16 bits, in their stored form)
+/// at position `first_pos` with the append kernels, one stream at a time. `thresholds` are the
+/// layer's outlier thresholds of each stream that has a store. Returns the outliers dropped.
+pub(crate) fn append(
+    target: AppendTarget<'_>,
+    thresholds: [Option<&OutlierThresholds>; 2],
+    k: &[u16],
+    v: &[u16],
+    first_pos: usize,
+) -> Result<u64> {
+    let cfg = target.config;
+    let d = cfg.head_dim;
+    let tokens = k.len() / (cfg.kv_heads * d);
+    let grid = [tokens as u32, cfg.kv_heads as u32, 1];
+    let mut dropped = 0u64;
+    for (i, (stream, x)) in [(Stream::K, k), (Stream::V, v)].into_iter().enumerate() {
+        let layout = target.layout.stream(stream);
+        let (lo, hi) = thresholds[i].map_or((std::ptr::null(), std::ptr::null()), |t| {
+            (t.lo.as_ptr(), t.hi.as_ptr())
+        });
+        let params = hipkv_append_params {
+            pool: target.pool.as_mut_ptr(),
+            page_bytes: target.page_bytes as u64,
+            head_block_bytes: target.layout.bytes as u32,
+            kv_heads: cfg.kv_heads as u32,
+            head_dim: d as u32,
+            group_tokens: cfg.scheme.group_tokens as u32,
+            sinks: cfg.scheme.sinks as u32,
+            first_pos: first_pos as u32,
+            tokens: tokens as u32,
+            layout: stream_abi(layout, d),
+            block_table: target.seq.pages.as_ptr(),
+            x: x.as_ptr(),
+            sink_buf: target.seq.sinks[i].as_mut_ptr().cast(),
+            residual: target.seq.residual[i].as_mut_ptr().cast(),
+            outlier_lo: lo,
+            outlier_hi: hi,
+            outliers_dropped: &mut dropped,
+        };
+        launch(&append_kernel_name(layout.format, d), &params, grid)?;
+        if layout.format.is_grouped_by_tokens() {
+            launch("hipkv_append_residual", &params, grid)?;
+        }
+    }
+    Ok(dropped)
 }
 
 /// Decode attention (one new token per query) with the emulated kernels.

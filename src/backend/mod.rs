@@ -5,7 +5,7 @@ pub(crate) mod cpu;
 mod emu;
 mod simd;
 
-pub(crate) use emu::attend as emu_attend;
+pub(crate) use emu::{AppendTarget, append as emu_append, attend as emu_attend};
 
 /// The engine that runs a cache's attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -13,8 +13,9 @@ pub enum Backend {
     /// Rust kernels on every core: the reference engine.
     #[default]
     Cpu,
-    /// The HIP kernels of `hip/`, compiled for the host and run by the SIMT emulator, through
-    /// the launch path a GPU takes. Decode only (one new token per query); slow, for tests.
+    /// The HIP kernels of `hip/` (append and attention), compiled for the host and run by the
+    /// SIMT emulator, through the launch path a GPU takes. Attention is decode only (one new
+    /// token per query); slow, for tests.
     Emu,
 }
 

@@ -28,7 +28,11 @@ pub fn put_f16(bytes: &mut [u8], off: usize, v: f16) {
 }
 
 /// Scale and minimum of an asymmetric group spanning `[lo, hi]`, already rounded to f16.
+///
+/// Adding `+0.0` turns a `-0.0` bound into `+0.0`: `min`/`max` may return either zero when both
+/// occur, and the stored bytes must not depend on which (the GPU kernels do the same).
 fn asym_params(lo: f32, hi: f32, bits: LowBits) -> (f32, f32) {
+    let (lo, hi) = (lo + 0.0, hi + 0.0);
     let scale = f16::from_f32((hi - lo) / f32::from(bits.max_code())).to_f32();
     (scale, f16::from_f32(lo).to_f32())
 }
@@ -225,6 +229,14 @@ fn min_max(xs: &[f32]) -> (f32, f32) {
 #[inline(always)]
 pub fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
+}
+
+/// The f16 bits of each value, rounded to nearest (what the append kernels take).
+pub fn f16_bits(x: &[f32]) -> Vec<u16> {
+    use half::slice::HalfFloatSliceExt;
+    let mut halves = vec![f16::ZERO; x.len()];
+    halves.convert_from_f32_slice(x);
+    halves.iter().map(|h| h.to_bits()).collect()
 }
 
 /// [`round_f16`] over a slice, with the CPU's f16 conversion instructions where it has them.
