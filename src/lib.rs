@@ -14,7 +14,7 @@ pub mod rope;
 pub mod scheme;
 pub mod synth;
 
-pub use backend::Backend;
+pub use backend::{Backend, SplitPlan};
 pub use cache::{CacheConfig, KvCache, Query};
 pub use error::{Error, Result};
 pub use quant::OutlierThresholds;

@@ -1,5 +1,5 @@
-//! The gfx1201 resource report of the embedded attention kernels: every kernel is there, none
-//! spills or uses scratch, and every decode kernel keeps at least 8 waves per SIMD. Without
+//! The gfx1201 resource report of the embedded kernels: every attention and append kernel is
+//! there, none spills or uses scratch, and every decode kernel keeps at least 8 waves per SIMD. Without
 //! embedded kernels (no HIP compiler at build time) the checks are skipped and say why, unless
 //! `HIPKV_REQUIRE_HIP=1`, which makes that a failure.
 
@@ -7,7 +7,7 @@ use std::io::Write as _;
 use std::sync::Once;
 
 use hipkv::codeobj::{KernelResources, embedded_kernels, resource_table};
-use hipkv::kernels::{attention_kernel_name, code_objects, gpu_build_skipped};
+use hipkv::kernels::{append_kernel_name, attention_kernel_name, code_objects, gpu_build_skipped};
 use hipkv::scheme::HEAD_DIMS;
 
 /// Every storage format, by its scheme spelling.
@@ -75,6 +75,27 @@ fn every_attention_kernel_is_built() {
     }
     if !has("hipkv_attn_combine") {
         missing.push("hipkv_attn_combine".into());
+    }
+    check(
+        &kernels,
+        missing.is_empty(),
+        format!("missing kernels: {missing:?}"),
+    );
+}
+
+#[test]
+fn every_append_kernel_is_built() {
+    let Some(kernels) = gfx1201_kernels() else {
+        return;
+    };
+    let has = |name: &str| kernels.iter().any(|k| k.name == name);
+    let mut missing: Vec<String> = FORMATS
+        .iter()
+        .flat_map(|f| HEAD_DIMS.map(|d| append_kernel_name(f.parse().unwrap(), d)))
+        .filter(|name| !has(name))
+        .collect();
+    if !has("hipkv_append_residual") {
+        missing.push("hipkv_append_residual".into());
     }
     check(
         &kernels,

@@ -17,6 +17,7 @@ use crate::rope::RopeLayout;
 use crate::scheme::{Format, HeadLayout, Stream, StreamLayout};
 
 use super::cpu::{CacheView, prepare_queries};
+use super::split::{GFX1201_COMPUTE_UNITS, SplitPlan};
 
 unsafe extern "C" {
     fn hipkv_emu_launch(
@@ -30,9 +31,6 @@ unsafe extern "C" {
         err_len: usize,
     ) -> c_int;
 }
-
-/// Pages each split covers at most: long contexts get many splits, as on a GPU.
-const PAGES_PER_SPLIT: usize = 4;
 
 /// Launches `name` with `params` over `grid` workgroups of one wave, on every core.
 fn launch<P: Copy>(name: &str, params: &P, grid: [u32; 3]) -> Result<()> {
@@ -192,7 +190,10 @@ pub(crate) fn attend(
             .div_ceil(scheme.group_tokens)
     };
     let max_pages = seqs.iter().map(|s| pages(s.len)).max().unwrap_or(0);
-    let splits = max_pages.div_ceil(PAGES_PER_SPLIT).max(1);
+    let row_groups = (gqa as u32).div_ceil(hipkv_rows(d as u32));
+    let workgroups = queries.len() * cfg.kv_heads * row_groups as usize;
+    let plan = SplitPlan::new(max_pages, workgroups, GFX1201_COMPUTE_UNITS);
+    let splits = plan.splits;
     let seq_len: Vec<u32> = seqs.iter().map(|s| s.len as u32).collect();
     let block_table: Vec<*const u32> = seqs.iter().map(|s| s.pages.as_ptr()).collect();
     let f16_ptrs = |i: usize, sinks: bool| -> Vec<*const u16> {
@@ -220,7 +221,7 @@ pub(crate) fn attend(
         group_tokens: scheme.group_tokens as u32,
         sinks: scheme.sinks as u32,
         splits: splits as u32,
-        pages_per_split: PAGES_PER_SPLIT as u32,
+        pages_per_split: plan.pages_per_split as u32,
         pre_rope: u32::from(scheme.pre_rope),
         rope_pairs_interleaved: u32::from(
             view.rope
@@ -242,7 +243,6 @@ pub(crate) fn attend(
         partial_sum: partial_sum.as_mut_ptr(),
     };
     let name = attention_kernel_name(scheme.k, scheme.v, d);
-    let row_groups = (gqa as u32).div_ceil(hipkv_rows(d as u32));
     let grid = [
         splits as u32,
         cfg.kv_heads as u32 * row_groups,

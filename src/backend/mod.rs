@@ -4,8 +4,10 @@
 pub(crate) mod cpu;
 mod emu;
 mod simd;
+mod split;
 
 pub(crate) use emu::{AppendTarget, append as emu_append, attend as emu_attend};
+pub use split::{GFX1201_COMPUTE_UNITS, SplitPlan};
 
 /// The engine that runs a cache's attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
