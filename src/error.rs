@@ -73,6 +73,12 @@ pub enum Error {
     OutliersNotCalibrated { layer: usize },
     #[error("kernel {kernel} failed in the emulator: {message}")]
     Emulator { kernel: String, message: String },
+    #[error(transparent)]
+    HipUnavailable(#[from] crate::hip::LoadError),
+    #[error("the {backend} backend was asked for but cannot run here: {why}")]
+    BackendUnavailable { backend: &'static str, why: String },
+    #[error(transparent)]
+    Hip(#[from] crate::hip::HipError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

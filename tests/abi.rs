@@ -2,6 +2,9 @@
 //! fails here. Regenerate with `scripts/regen-abi.sh` (needs libclang, which CI installs with
 //! clang-19). Without libclang the check is skipped, unless `HIPKV_REQUIRE_HIP=1`.
 
+#[path = "common/bindings.rs"]
+mod bindings;
+
 use std::path::Path;
 
 /// The bindings as `scripts/regen-abi.sh` writes them.
@@ -23,22 +26,5 @@ fn generate() -> Result<String, String> {
 
 #[test]
 fn committed_bindings_match_the_header() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/abi/generated.rs");
-    let fresh = match generate() {
-        Ok(fresh) => fresh,
-        Err(e) if std::env::var("HIPKV_REQUIRE_HIP").as_deref() != Ok("1") => {
-            eprintln!("skipped: bindgen cannot run here ({e}); set LIBCLANG_PATH or install clang");
-            return;
-        }
-        Err(e) => panic!("HIPKV_REQUIRE_HIP=1 but bindgen cannot run: {e}"),
-    };
-    if std::env::var("HIPKV_BLESS").as_deref() == Ok("1") {
-        std::fs::write(&path, &fresh).expect("write src/abi/generated.rs");
-        return;
-    }
-    let committed = std::fs::read_to_string(&path).expect("read src/abi/generated.rs");
-    assert!(
-        committed == fresh,
-        "src/abi/generated.rs is stale: run scripts/regen-abi.sh and commit the result"
-    );
+    bindings::check_committed("src/abi/generated.rs", generate(), "scripts/regen-abi.sh");
 }

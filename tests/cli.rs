@@ -4,8 +4,14 @@
 use std::process::{Command, Output};
 
 fn hipkv(args: &[&str]) -> Output {
+    hipkv_with(args, &[])
+}
+
+fn hipkv_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hipkv"))
         .args(args)
+        .env_remove("HIPKV_BACKEND")
+        .envs(env.iter().copied())
         .output()
         .expect("run hipkv")
 }
@@ -106,5 +112,38 @@ fn info_kernels_lists_every_kernel_or_says_why_there_are_none() {
             .unwrap_or_else(|| panic!("no row for {} ({}):\n{text}", k.name, k.arch));
         assert_eq!(cells[2], k.vgpr_count.to_string(), "{cells:?}");
         assert_eq!(cells.len(), 10, "{cells:?}");
+    }
+}
+
+#[test]
+fn info_lists_every_place_it_looked_for_the_hip_runtime() {
+    let out = hipkv_with(
+        &["info"],
+        &[("HIPKV_HIP_LIBRARY", "/nonexistent/libamdhip64.so")],
+    );
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains(
+            "runtime      no HIP runtime could be loaded; tried /nonexistent/libamdhip64.so \
+             (no such file)"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_forced_backend_that_cannot_run_is_an_error() {
+    for (value, message) in [
+        ("hip", "the hip backend was asked for but cannot run here: "),
+        ("gpu", "HIPKV_BACKEND=gpu: expected cpu, emu or hip"),
+    ] {
+        let out = hipkv_with(
+            &["bench", "--contexts", "1024"],
+            &[("HIPKV_BACKEND", value)],
+        );
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{value}: {err}");
+        assert!(err.contains(message), "{value}: {err}");
     }
 }

@@ -1,11 +1,13 @@
 //! Where attention runs. The CPU backend is the reference engine and the fallback everywhere;
 //! the emulator backend runs the HIP kernels' own code on the CPU.
 
+mod choice;
 pub(crate) mod cpu;
 mod emu;
 mod simd;
 mod split;
 
+pub use choice::{BACKEND_ENV, HipStatus};
 pub(crate) use emu::{AppendTarget, append as emu_append, attend as emu_attend};
 pub use split::{GFX1201_COMPUTE_UNITS, SplitPlan};
 

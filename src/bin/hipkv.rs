@@ -11,9 +11,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::Serialize;
 
+use hipkv::backend::{BACKEND_ENV, HipStatus};
 use hipkv::scheme::PRESETS;
 use hipkv::synth::{Rng, TokenPool};
-use hipkv::{CacheConfig, Format, KvCache, Rope, RopeLayout, Scheme, Stream};
+use hipkv::{Backend, CacheConfig, Format, KvCache, Rope, RopeLayout, Scheme, Stream};
 
 /// Each bench row rotates over sequences holding more than this many bytes, four times the
 /// 32 MiB L3 of the development machines, so steps read DRAM rather than cache.
@@ -145,17 +146,36 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         "  cpu  available    {cpu}, {} threads",
         rayon::current_num_threads()
     );
-    let objects = hipkv::kernels::code_objects();
-    match hipkv::kernels::gpu_build_skipped() {
-        Some(why) => println!("  hip  unavailable  no GPU kernels in this build: {why}"),
-        None => {
-            let mut archs: Vec<&str> = objects.iter().map(|o| o.arch).collect();
-            archs.dedup();
+    let hip = HipStatus::probe();
+    println!("  hip  unavailable  {}", hip.obstacle());
+    match &hip.runtime {
+        Ok(found) => {
             println!(
-                "  hip  unavailable  kernels built for {} but the HIP runtime layer is not written yet",
-                archs.join(", ")
-            )
+                "       runtime      {} (HIP {}), {} GPU{}",
+                found.library,
+                found.version_string(),
+                found.devices.len(),
+                if found.devices.len() == 1 { "" } else { "s" }
+            );
+            for dev in &found.devices {
+                println!(
+                    "       gpu {}        {} ({}), {} CUs, {:.1} GiB, {:.0} GB/s peak",
+                    dev.ordinal,
+                    dev.name,
+                    dev.arch,
+                    dev.compute_units,
+                    dev.memory_bytes as f64 / (1u64 << 30) as f64,
+                    dev.peak_bandwidth_gbs()
+                );
+            }
         }
+        Err(e) => println!("       runtime      {e}"),
+    }
+    if !hip.built_archs.is_empty() {
+        println!(
+            "       kernels      built for {}",
+            hip.built_archs.join(", ")
+        );
     }
     println!(
         "  emu  available    the HIP kernels compiled for this CPU, run by the SIMT emulator \
@@ -277,6 +297,9 @@ struct Row {
 #[derive(Serialize)]
 struct Report {
     shape: Shape,
+    backend: &'static str,
+    /// Why the GPU was not used (`HIPKV_BACKEND` unset).
+    hip_unavailable: Option<String>,
     cpu_kernels: &'static str,
     min_time_s: f64,
     memcpy: Memcpy,
@@ -298,6 +321,12 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
     }
     if args.contexts.contains(&0) {
         return Err(CliError::Usage("contexts must be positive".into()));
+    }
+    let (backend, hip_unavailable) = Backend::from_env()?;
+    if backend != Backend::Cpu {
+        return Err(CliError::Usage(format!(
+            "bench measures the cpu backend ({BACKEND_ENV}={backend:?} is for tests)"
+        )));
     }
     let shape = Shape {
         kv_heads: args.kv_heads,
@@ -345,6 +374,8 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
 
     let report = Report {
         shape,
+        backend: "cpu",
+        hip_unavailable,
         cpu_kernels: hipkv::backend::cpu_kernels(),
         min_time_s: args.min_time,
         memcpy,
@@ -466,6 +497,9 @@ fn print_table(report: &Report) {
         "decode attention, CPU backend ({} kernels, {} threads), 1 query token per step",
         report.cpu_kernels, m.threads
     );
+    if let Some(why) = &report.hip_unavailable {
+        println!("not on a GPU: {why}");
+    }
     println!(
         "shape: {} KV heads × GQA {} ({} query heads) × head_dim {}; each row rotates over \
          sequences holding > {} MiB",
