@@ -55,19 +55,33 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                            const float *q, const float *qsum, uint32_t rows, float s[kRows<D>]) {
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
     for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
+    // Rows of every format but q8_0 are read 16 bytes at a time (rows and pages are 16-byte
+    // aligned; a lane reads its own token's row); per-channel keys 32 channels at a time (8
+    // bytes of 2-bit codes), since each channel also needs its own scale and minimum live.
+    constexpr uint32_t kChunk =
+        F == HIPKV_Q8_0 ? 8 : format_is_chan(F) ? 32 : kChunkChannels<F>;
+    constexpr uint32_t kChunkBytes = kChunk * format_bits(F) / 8;
     if constexpr (format_is_tok(F)) {
+        // Channel groups are 32+ channels: read 32 channels at a time (16 bytes of 4-bit
+        // codes, 8 of 2-bit ones), each within one group.
+        constexpr uint32_t kBytes = 32 * format_bits(F) / 8;
         const uint32_t groups = D >> log2_pow2(k.group), gqa = p.gqa;
         HIPKV_ROLLED
         for (uint32_t g = 0; g < groups; ++g) {
             float dot[kRows<D>];
             for (int r = 0; r < kRows<D>; ++r) dot[r] = 0.0f;
             HIPKV_ROLLED
-            for (uint32_t c = g * k.group; c < (g + 1) * k.group; c += 8) {
-                float x[8];
-                codes8<F>(row, c, x);
-                for (int r = 0; r < kRows<D>; ++r)
-                    if ((uint32_t)r < rows)
-                        for (int i = 0; i < 8; ++i) dot[r] += q[r * D + c + i] * x[i];
+            for (uint32_t c0 = g * k.group; c0 < (g + 1) * k.group; c0 += 32) {
+                const uint8_t *at = row + c0 * format_bits(F) / 8;
+                const Bytes16 b = kBytes == 16 ? load16(at) : load8(at);
+                for (int j = 0; j < 4; ++j) {
+                    float x[8];
+                    chunk_codes8<F>(b, j, x);
+                    for (int r = 0; r < kRows<D>; ++r)
+                        if ((uint32_t)r < rows)
+                            for (int i = 0; i < 8; ++i)
+                                dot[r] += q[r * D + c0 + 8 * j + i] * x[i];
+                }
             }
             const uint8_t *gp = k.params + 4 * ((size_t)t * groups + g);
             const float scale = load_f16(gp), min = load_f16(gp + 2);
@@ -95,16 +109,21 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
         // are the same for every lane (uniform operands) and cost one FMA per element for all
         // rows together.
         HIPKV_ROLLED
-        for (uint32_t c = 0; c < D; c += 8) {
-            float x[8];
-            codes8<F>(row, c, x);
-            if constexpr (format_is_chan(F))
-                for (int i = 0; i < 8; ++i)
-                    x[i] = load_f16(k.params + 4 * (c + i) + 2) +
-                           load_f16(k.params + 4 * (c + i)) * x[i];
-            for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < rows)
-                    for (int i = 0; i < 8; ++i) s[r] += q[r * D + c + i] * x[i];
+        for (uint32_t c0 = 0; c0 < D; c0 += kChunk) {
+            const uint8_t *at = row + c0 * format_bits(F) / 8;
+            const Bytes16 b = kChunkBytes == 16 ? load16(at) : load8(at);
+            for (int j = 0; j < (int)kChunk / 8; ++j) {
+                const uint32_t c = c0 + 8 * j;
+                float x[8];
+                chunk_codes8<F>(b, j, x);
+                if constexpr (format_is_chan(F))
+                    for (int i = 0; i < 8; ++i)
+                        x[i] = load_f16(k.params + 4 * (c + i) + 2) +
+                               load_f16(k.params + 4 * (c + i)) * x[i];
+                for (int r = 0; r < kRows<D>; ++r)
+                    if ((uint32_t)r < rows)
+                        for (int i = 0; i < 8; ++i) s[r] += q[r * D + c + i] * x[i];
+            }
         }
         if constexpr (F == HIPKV_Q8) {
             const float scale = load_f16(k.params + 2 * t);
@@ -214,7 +233,10 @@ HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
         const uint32_t t = t0 + j;
         const uint8_t *row = v.rows + (size_t)t * v.row_bytes;
         float x[kPer];
-        for (int i = 0; i < kPer; ++i) x[i] = code1<F>(row, c0 + i);
+        if constexpr (F == HIPKV_Q8_0)
+            for (int i = 0; i < kPer; ++i) x[i] = code1<F>(row, c0 + i);
+        else
+            lane_codes<F, kPer>(row, c0, x);
         float scale, min;
         element_params<F>(row, v.params, t, c0, D, v.group, &scale, &min);
         if constexpr (format_is_chan(F)) {

@@ -20,6 +20,7 @@ unsafe extern "C" {
         out: *mut f32,
     );
     fn hipkv_ffi_codes8(format: i32, row: *const u8, c: u32, out: *mut f32);
+    fn hipkv_ffi_chunk_codes8(format: i32, chunk: *const u8, j: i32, out: *mut f32);
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
 }
 
@@ -230,6 +231,48 @@ fn eight_channel_decoders_read_codes_in_channel_order() {
                     _ => unreachable!(),
                 };
                 assert_eq!(*g, want, "{f} channel {j}");
+            }
+        }
+    }
+}
+
+/// The attention kernels decode keys from 16-byte chunks held in registers: every chunk gives
+/// the codes `codes8` reads from memory, for every format but q8_0 (unaligned rows).
+#[test]
+fn sixteen_byte_chunks_decode_as_rows_do() {
+    let mut rng = Rng::new(6);
+    for f in [
+        Format::F16,
+        Format::Q8,
+        "q4_chan".parse().unwrap(),
+        "q2_tok".parse().unwrap(),
+    ] {
+        let per_chunk = 128 / f.nominal_bits();
+        for _ in 0..64 {
+            let chunk: Vec<u8> = (0..16).map(|_| rng.below(256) as u8).collect();
+            for j in 0..per_chunk / 8 {
+                let (mut got, mut want) = ([0f32; 8], [0f32; 8]);
+                // SAFETY: both read within the 16 bytes of `chunk` (channels 8j..8j+8 of it).
+                unsafe {
+                    hipkv_ffi_chunk_codes8(
+                        f.abi_code() as i32,
+                        chunk.as_ptr(),
+                        j as i32,
+                        got.as_mut_ptr(),
+                    );
+                    hipkv_ffi_codes8(
+                        f.abi_code() as i32,
+                        chunk.as_ptr(),
+                        8 * j as u32,
+                        want.as_mut_ptr(),
+                    );
+                }
+                // Bits, not values: random f16 patterns include NaNs.
+                assert_eq!(
+                    got.map(f32::to_bits),
+                    want.map(f32::to_bits),
+                    "{f} chunk {chunk:?} j {j}"
+                );
             }
         }
     }

@@ -34,5 +34,17 @@ extern "C" void hipkv_ffi_codes8(int format, const uint8_t *row, uint32_t c, flo
     }
 }
 
+// Codes of channels 8j..8j+8 of a 16-byte chunk, as the attention kernels decode key rows.
+extern "C" void hipkv_ffi_chunk_codes8(int format, const uint8_t *chunk, int j, float *out) {
+    hipkv::Bytes16 b;
+    memcpy(&b, chunk, sizeof b);
+    switch (format) {
+        case HIPKV_F16: hipkv::chunk_codes8<HIPKV_F16>(b, j, out); break;
+        case HIPKV_Q8: hipkv::chunk_codes8<HIPKV_Q8>(b, j, out); break;
+        case HIPKV_Q4_TOK: case HIPKV_Q4_CHAN: hipkv::chunk_codes8<HIPKV_Q4_TOK>(b, j, out); break;
+        default: hipkv::chunk_codes8<HIPKV_Q2_TOK>(b, j, out); break;
+    }
+}
+
 // HIPKV_ROWS(head_dim), for the Rust mirror's test.
 extern "C" uint32_t hipkv_ffi_rows(uint32_t head_dim) { return HIPKV_ROWS(head_dim); }

@@ -67,6 +67,58 @@ HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
     }
 }
 
+// Channels in 16 bytes of a row (f16 8, q8 16, q4 32, q2 64); not for q8_0, whose 34-byte
+// blocks leave rows unaligned.
+template <int F>
+constexpr uint32_t kChunkChannels = 128 / format_bits(F);
+
+// The raw codes of channels 8j..8j+8 of a 16-byte chunk of a row already in registers, as
+// `codes8` reads them from memory (f16: the values).
+template <int F>
+HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
+    static_assert(F != HIPKV_Q8_0, "q8_0 rows are not 16-byte aligned");
+    if constexpr (F == HIPKV_F16) {
+        for (int i = 0; i < 8; ++i) out[i] = half_to_float((uint16_t)(b.w[i / 2] >> (16 * (i % 2))));
+    } else if constexpr (F == HIPKV_Q8) {
+        for (int i = 0; i < 8; ++i) out[i] = (float)(int8_t)(b.w[2 * j + i / 4] >> (8 * (i % 4)));
+    } else if constexpr (format_bits(F) == 4) {
+        for (int i = 0; i < 8; ++i) out[i] = (float)((b.w[j] >> (4 * i)) & 15u);
+    } else {
+        const uint32_t half = b.w[j / 2] >> (16 * (j % 2));
+        for (int i = 0; i < 8; ++i) out[i] = (float)((half >> (2 * i)) & 3u);
+    }
+}
+
+#if defined(HIPKV_DEV)
+// The raw codes (f16: values) of channels c0..c0+N of a row, N a power of two, c0 a multiple
+// of N, read in one load of N·bits bits (at most 128), or of the aligned 32-bit word holding
+// them; not q8_0. Rows are 16-byte aligned (`docs/formats.md`).
+template <int F, int N>
+HIPKV_DEV void lane_codes(const uint8_t *row, uint32_t c0, float out[N]) {
+    static_assert(F != HIPKV_Q8_0, "q8_0 rows are not aligned");
+    constexpr uint32_t bits = format_bits(F), total = N * bits;
+    static_assert(total <= 128, "at most 16 bytes per lane");
+    uint32_t w[4];
+    if constexpr (total <= 32) {
+        const uint32_t bit = c0 * bits;
+        w[0] = load4(row + (bit / 32) * 4) >> (bit % 32);
+    } else {
+        const Bytes16 b = total == 64 ? load8(row + c0 * bits / 8) : load16(row + c0 * bits / 8);
+        for (int i = 0; i < 4; ++i) w[i] = b.w[i];
+    }
+    constexpr uint32_t mask = bits == 32 ? 0xffffffffu : (1u << bits) - 1u;
+    for (int i = 0; i < N; ++i) {
+        const uint32_t code = (w[i * bits / 32] >> (i * bits % 32)) & mask;
+        if constexpr (F == HIPKV_F16)
+            out[i] = half_to_float((uint16_t)code);
+        else if constexpr (F == HIPKV_Q8)
+            out[i] = (float)(int8_t)code;
+        else
+            out[i] = (float)code;
+    }
+}
+#endif
+
 // The raw code of channel c of one row (for outlier corrections).
 template <int F>
 HIPKV_HD float code1(const uint8_t *row, uint32_t c) {

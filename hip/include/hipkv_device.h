@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "hipkv_abi.h"
 
@@ -83,6 +84,11 @@ HIPKV_HD float half_to_float(uint16_t h) {
     return v.f;
 #endif
 }
+
+// 16 bytes of a row as four little-endian words (see `load16`).
+struct alignas(16) Bytes16 {
+    uint32_t w[4];
+};
 
 // Float to IEEE binary16 bits, rounded to nearest with ties to even (as the `half` crate and
 // the GPU's conversion round): overflow gives infinity, NaN stays a (quiet) NaN.
@@ -191,11 +197,47 @@ HIPKV_DEV void atomic_add(uint64_t *p, uint64_t x) {
 #endif
 }
 
-// 16 bytes from global memory in one load (`global_load_b128` on gfx1201).
-struct alignas(16) Bytes16 {
-    uint32_t w[4];
-};
-HIPKV_DEV Bytes16 load16(const uint8_t *p) { return *reinterpret_cast<const Bytes16 *>(p); }
+// 16 bytes of global memory, 16-aligned, in one load: `global_load_b128` on gfx1201 (the
+// address space is stated: a generic pointer would give a flat load, which also waits on the
+// LDS counter). The emulator copies, since host buffers promise no alignment.
+HIPKV_DEV Bytes16 load16(const uint8_t *p) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    typedef uint32_t U32x4 __attribute__((ext_vector_type(4)));
+    const U32x4 v = *(const __attribute__((address_space(1))) U32x4 *)p;
+    return Bytes16{{v.x, v.y, v.z, v.w}};
+#elif defined(__CUDA_ARCH__)
+    return *reinterpret_cast<const Bytes16 *>(p);
+#else
+    Bytes16 b;
+    memcpy(&b, p, sizeof b);
+    return b;
+#endif
+}
+
+// 4 bytes of global memory, 4-aligned, in one load (`global_load_b32`).
+HIPKV_DEV uint32_t load4(const uint8_t *p) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return *(const __attribute__((address_space(1))) uint32_t *)p;
+#else
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+#endif
+}
+
+// 8 bytes of global memory, 8-aligned, in one load (`global_load_b64`), as the first half of a
+// Bytes16 (the second half zero).
+HIPKV_DEV Bytes16 load8(const uint8_t *p) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    typedef uint32_t U32x2 __attribute__((ext_vector_type(2)));
+    const U32x2 v = *(const __attribute__((address_space(1))) U32x2 *)p;
+    return Bytes16{{v.x, v.y, 0u, 0u}};
+#else
+    Bytes16 b{{0u, 0u, 0u, 0u}};
+    memcpy(&b, p, 8);
+    return b;
+#endif
+}
 
 }  // namespace hipkv
 
