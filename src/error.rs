@@ -75,6 +75,11 @@ pub enum Error {
     Emulator { kernel: String, message: String },
     #[error(transparent)]
     HipUnavailable(#[from] crate::hip::LoadError),
+    #[error(
+        "the GPU is {device} but this build has kernels for {} only: rebuild with HIPKV_ARCHS={device}",
+        if built.is_empty() { "no arch".to_string() } else { built.join(", ") }
+    )]
+    ArchNotBuilt { device: String, built: Vec<String> },
     #[error("the {backend} backend was asked for but cannot run here: {why}")]
     BackendUnavailable { backend: &'static str, why: String },
     #[error(transparent)]

@@ -18,6 +18,21 @@ pub fn code_objects() -> &'static [CodeObject] {
     CODE_OBJECTS
 }
 
+/// The code objects built for `arch` (such as `gfx1201`): one per kernel source and head_dim.
+/// A device whose arch the build does not cover is an error naming both and the rebuild.
+pub fn code_objects_for(arch: &str) -> crate::Result<Vec<&'static CodeObject>> {
+    let found: Vec<&CodeObject> = CODE_OBJECTS.iter().filter(|o| o.arch == arch).collect();
+    if found.is_empty() {
+        let mut built: Vec<String> = CODE_OBJECTS.iter().map(|o| o.arch.to_string()).collect();
+        built.dedup();
+        return Err(crate::Error::ArchNotBuilt {
+            device: arch.to_string(),
+            built,
+        });
+    }
+    Ok(found)
+}
+
 /// Why no code objects were built (`None` when they were).
 pub fn gpu_build_skipped() -> Option<&'static str> {
     SKIPPED
@@ -35,4 +50,21 @@ pub fn attention_kernel_name(k: crate::Format, v: crate::Format, head_dim: usize
 /// The name of the append kernel that writes new tokens into a stream stored in `format`.
 pub fn append_kernel_name(format: crate::Format, head_dim: usize) -> String {
     format!("hipkv_append_{}_d{head_dim}", format.kernel_name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arch_not_built_names_the_rebuild() {
+        let e = code_objects_for("gfx9999").unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("the GPU is gfx9999"), "{text}");
+        assert!(text.ends_with("rebuild with HIPKV_ARCHS=gfx9999"), "{text}");
+        for o in CODE_OBJECTS {
+            // Two kernel sources, three head_dims each.
+            assert_eq!(code_objects_for(o.arch).unwrap().len(), 6, "{}", o.arch);
+        }
+    }
 }

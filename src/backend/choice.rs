@@ -39,7 +39,6 @@ impl HipStatus {
             Err(e) => return e.to_string(),
             Ok(found) => found,
         };
-        let built = self.built_archs.join(", ");
         match found
             .devices
             .iter()
@@ -50,13 +49,11 @@ impl HipStatus {
                 found.version_string(),
                 found.library
             ),
-            None => {
-                let arch = &found.devices[0].arch;
-                format!(
-                    "GPU 0 is {arch} but this build has kernels for {built} only: rebuild with \
-                     HIPKV_ARCHS={arch}"
-                )
+            None => Error::ArchNotBuilt {
+                device: found.devices[0].arch.clone(),
+                built: self.built_archs.iter().map(ToString::to_string).collect(),
             }
+            .to_string(),
             Some(d) => format!(
                 "found {} ({}), but the device-resident cache (Backend::Hip) is not written yet",
                 d.name, d.arch
