@@ -119,7 +119,12 @@ impl Runtime {
         &self.path
     }
 
-    fn check(&self, call: &'static str, code: hipError_t) -> Result<(), HipError> {
+    /// The function table.
+    pub(crate) fn api(&self) -> &HipRuntime {
+        &self.api
+    }
+
+    pub(crate) fn check(&self, call: &'static str, code: hipError_t) -> Result<(), HipError> {
         if code == hipError_t::hipSuccess {
             return Ok(());
         }

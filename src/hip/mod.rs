@@ -6,13 +6,15 @@
 //!   as a table of function pointers filled by `libloading`.
 //! - [`Runtime`]: the library found and opened once per process ([`runtime`]), with calls that
 //!   return `Result<_, HipError>` (code, name and the runtime's message).
-//! - safe types: [`Device`] (arch, compute units, memory, peak bandwidth).
+//! - safe types: [`Device`] (arch, compute units, memory, peak bandwidth), [`DeviceBuffer`]
+//!   (typed, RAII), [`Stream`], [`Event`], [`Module`] (an embedded code object) and its kernels.
 //!
 //! Nothing links against ROCm at build time: without the library every call here is a typed
 //! error that lists each place tried, and the rest of hipkv runs on the CPU.
 
 mod device;
 mod loader;
+mod memory;
 #[allow(
     non_camel_case_types,
     non_snake_case,
@@ -24,3 +26,4 @@ pub mod sys;
 
 pub use device::{Device, Devices};
 pub use loader::{HipError, LoadError, Runtime, runtime};
+pub use memory::{DeviceBuffer, DeviceCopy, Event, Function, Module, Stream};
