@@ -368,10 +368,11 @@ macro_rules! with_rows {
                 let (groups, group_shift) = (d / group, group.trailing_zeros());
                 assert!(group.is_power_of_two() && $buf.len() >= 2 * groups * $n);
                 let params = &$buf;
+                assert!(group >= 32 && d.is_multiple_of(32));
                 match bits {
                     LowBits::Four => {
                         let $rows = TokRows::<4> {
-                            packed,
+                            codes: ChanCodes { packed },
                             params,
                             groups,
                             group_shift,
@@ -380,7 +381,7 @@ macro_rules! with_rows {
                     }
                     LowBits::Two => {
                         let $rows = TokRows::<2> {
-                            packed,
+                            codes: ChanCodes { packed },
                             params,
                             groups,
                             group_shift,
@@ -391,20 +392,100 @@ macro_rules! with_rows {
             }
             Format::Chan { bits } => {
                 let (scale, min) = $buf.split_at(d);
-                assert_eq!(min.len(), d);
+                assert!(min.len() == d && d.is_multiple_of(32));
                 match bits {
                     LowBits::Four => {
-                        let $rows = ChanRows::<4> { packed, scale, min };
+                        let codes = ChanCodes::<4> { packed };
+                        let $rows = ChanRows { codes, scale, min };
                         $body
                     }
                     LowBits::Two => {
-                        let $rows = ChanRows::<2> { packed, scale, min };
+                        let codes = ChanCodes::<2> { packed };
+                        let $rows = ChanRows { codes, scale, min };
                         $body
                     }
                 }
             }
         }
     }};
+}
+
+/// The order in which the attention loops see a stream's channels. A 4-bit or 2-bit code row
+/// decodes 16 or 32 channels per 8-byte load only in an interleaved order, so the loops keep
+/// the queries (keys) and the output accumulators (values) in the order of the stream's format
+/// and put the accumulators back once per work item: dot products and per-channel sums do not
+/// care about order. Every chunk of 16 or 32 channels stays in place, and so within one
+/// quantization group (groups have at least 32 channels).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Order {
+    /// Channel `c` at position `c`.
+    Natural,
+    /// 4-bit codes, 16 channels per 8 bytes: each chunk's even channels (the low nibbles),
+    /// then its odd channels (the high nibbles).
+    Nibbles,
+    /// 2-bit codes, 32 channels per 8 bytes: each chunk's channels `4i` (bits 0..2 of the
+    /// bytes), then `4i + 1`, `4i + 2` and `4i + 3`.
+    Crumbs,
+}
+
+impl Order {
+    fn of(format: Format) -> Order {
+        match format {
+            Format::Tok {
+                bits: LowBits::Four,
+                ..
+            }
+            | Format::Chan {
+                bits: LowBits::Four,
+            } => Order::Nibbles,
+            Format::Tok {
+                bits: LowBits::Two, ..
+            }
+            | Format::Chan { bits: LowBits::Two } => Order::Crumbs,
+            Format::F16 | Format::Q8 | Format::Q8_0 => Order::Natural,
+        }
+    }
+
+    /// The channel at position `p`.
+    fn channel(self, p: usize) -> usize {
+        match self {
+            Order::Natural => p,
+            Order::Nibbles => (p & !15) + 2 * (p & 7) + ((p >> 3) & 1),
+            Order::Crumbs => (p & !31) + 4 * (p & 7) + ((p >> 3) & 3),
+        }
+    }
+
+    /// The position of channel `c`.
+    fn position(self, c: usize) -> usize {
+        match self {
+            Order::Natural => c,
+            Order::Nibbles => (c & !15) + 8 * (c & 1) + ((c & 15) >> 1),
+            Order::Crumbs => (c & !31) + 8 * (c & 3) + ((c & 31) >> 2),
+        }
+    }
+
+    /// Rows of `d` natural-order values put into this order: `out[p] = x[channel(p)]`.
+    fn permute(self, x: &[f32], d: usize, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend(
+            x.chunks_exact(d)
+                .flat_map(|row| (0..d).map(move |p| row[self.channel(p)])),
+        );
+    }
+
+    /// Rows of `d` values in this order put back into natural order, in place.
+    fn unpermute(self, x: &mut [f32], d: usize) {
+        if self == Order::Natural {
+            return;
+        }
+        let mut row = vec![0f32; d];
+        for chunk in x.chunks_exact_mut(d) {
+            row.copy_from_slice(chunk);
+            for (p, &v) in row.iter().enumerate() {
+                chunk[self.channel(p)] = v;
+            }
+        }
+    }
 }
 
 /// One work item: online softmax over the blocks for every query row of the head. Per block:
@@ -424,75 +505,215 @@ fn run_item<K: Kernel>(
         sum: vec![0.0; rows],
         acc: vec![0.0; rows * d],
     };
+    // Quantized key pages are scored against the queries in the key format's order; f16 sinks
+    // and residual tokens and rotated pre-RoPE keys against the natural-order rows. Values
+    // accumulate in the value format's order.
+    let (k_order, v_order) = (
+        Order::of(view.layout.k.format),
+        Order::of(view.layout.v.format),
+    );
+    let mut queries = Vec::new();
+    k_order.permute(&hq.rows, d, &mut queries);
     let g = blocks.iter().map(|b| b.tokens).max().unwrap_or(0);
     let mut scores = vec![0f32; rows * g];
     let mut params = Vec::new();
-    let mut keys = Vec::new();
+    let (mut dense, mut permuted) = (Vec::new(), Vec::new());
+    let (mut folded, mut bias) = (Vec::new(), Vec::new());
     for (i, block) in blocks.iter().enumerate() {
-        if let Some(next) = blocks.get(i + 1) {
-            for stream in [&next.k, &next.v] {
-                k.prefetch(stream.rows);
-                k.prefetch(stream.params);
-            }
-        }
         let n = block.tokens;
+        let next = blocks.get(i + 1);
+        let mut prefetch_k = Prefetch::new(k, next.map(|b| &b.k), n.div_ceil(2));
+        let mut prefetch_v = Prefetch::new(k, next.map(|b| &b.v), d / 16);
+        let order = Order::of(block.k.format);
         if view.config.scheme.pre_rope {
             // Keys stored before RoPE: dequantize the block's keys and rotate each to its
             // position (KVQuant), then score the rotated rows.
-            keys.resize(n * d, 0.0);
+            dense.resize(n * d, 0.0);
             with_rows!(k, block.k, n, params, |rows| decode_block(
-                k, &rows, n, d, &mut keys
+                k, &rows, order, n, d, &mut dense
             ));
             let rope = view
                 .rope
                 .expect("pre_rope schemes are validated to have RoPE");
-            for (t, key) in keys.chunks_exact_mut(d).enumerate() {
+            for (t, key) in dense.chunks_exact_mut(d).enumerate() {
                 for (c, x) in block.k.outliers(t) {
                     key[c] = x;
                 }
                 rope.rotate(key, block.first_pos + t);
             }
-            score_block(
-                k,
-                &F32Rows::new(&keys, n, d),
-                n,
-                d,
-                &hq.rows,
-                &mut scores,
-                g,
-            );
+            let rows = F32Rows::new(&dense, n, d);
+            score_block(k, &rows, n, d, &hq.rows, &mut scores, g, &mut prefetch_k);
+        } else if let Format::Chan { bits } = block.k.format {
+            // Per-channel parameters are the page's: fold the scales into the queries and the
+            // minimums into one bias per row, and score the bare codes.
+            block.k.params_f32(k, n, &mut params);
+            let (scale, min) = params.split_at(d);
+            fold_chan_params(k, &queries, scale, min, d, &mut folded, &mut bias);
+            let packed = Packed::new(block.k.rows, block.k.row_bytes, n);
+            match bits {
+                LowBits::Four => {
+                    let codes = ChanCodes::<4> { packed };
+                    score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
+                    let rows = ChanRows { codes, scale, min };
+                    correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                }
+                LowBits::Two => {
+                    let codes = ChanCodes::<2> { packed };
+                    score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
+                    let rows = ChanRows { codes, scale, min };
+                    correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                }
+            }
+            for (r, b) in bias.iter().enumerate() {
+                scores[r * g..r * g + n].iter_mut().for_each(|s| *s += b);
+            }
         } else {
+            let q = if order == Order::Natural {
+                &hq.rows
+            } else {
+                &queries
+            };
             with_rows!(k, block.k, n, params, |rows| {
-                score_block(k, &rows, n, d, &hq.rows, &mut scores, g);
-                // Sparse outliers: correct each score by q·(exact − dense).
-                if block.k.outliers.is_some() {
+                score_block(k, &rows, n, d, q, &mut scores, g, &mut prefetch_k);
+                correct_scores(k, &rows, block, order, hq, &mut scores, g);
+            });
+        }
+        softmax_block(k, hq, block.first_pos, n, &mut scores, g, d, &mut part);
+        let order = Order::of(block.v.format);
+        if order == v_order {
+            with_rows!(k, block.v, n, params, |rows| {
+                accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
+                // Sparse outliers: add w·(exact − dense) to the outlier's channel.
+                if block.v.outliers.is_some() {
                     for t in 0..n {
-                        for (c, x) in block.k.outliers(t) {
-                            let delta = x - dense_value(k, &rows, t, c);
+                        for (c, x) in block.v.outliers(t) {
+                            let delta = x - dense_value(k, &rows, order, t, c);
+                            let at = v_order.position(c);
                             for r in 0..hq.pos.len() {
-                                scores[r * g + t] += hq.rows[r * d + c] * delta;
+                                part.acc[r * d + at] += scores[r * g + t] * delta;
                             }
                         }
                     }
                 }
             });
-        }
-        softmax_block(k, hq, block.first_pos, n, &mut scores, g, d, &mut part);
-        with_rows!(k, block.v, n, params, |rows| {
-            accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc);
-            if block.v.outliers.is_some() {
-                for t in 0..n {
-                    for (c, x) in block.v.outliers(t) {
-                        let delta = x - dense_value(k, &rows, t, c);
-                        for r in 0..hq.pos.len() {
-                            part.acc[r * d + c] += scores[r * g + t] * delta;
-                        }
-                    }
+        } else {
+            // f16 sink values while the accumulators are in a low-bit format's order: decode,
+            // put the outliers in, reorder, accumulate.
+            dense.resize(n * d, 0.0);
+            with_rows!(k, block.v, n, params, |rows| decode_block(
+                k, &rows, order, n, d, &mut dense
+            ));
+            for (t, value) in dense.chunks_exact_mut(d).enumerate() {
+                for (c, x) in block.v.outliers(t) {
+                    value[c] = x;
                 }
             }
-        });
+            v_order.permute(&dense, d, &mut permuted);
+            let rows = F32Rows::new(&permuted, n, d);
+            accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
+        }
     }
+    v_order.unpermute(&mut part.acc, d);
     part
+}
+
+/// `folded[r][p] = q[r][p] · scale[p]` and `bias[r] = Σ_p q[r][p] · min[p]`, so that
+/// `q · (scale ⊙ code + min) = folded · code + bias` (all in the key format's order).
+#[inline(always)]
+fn fold_chan_params<K: Kernel>(
+    k: K,
+    q: &[f32],
+    scale: &[f32],
+    min: &[f32],
+    d: usize,
+    folded: &mut Vec<f32>,
+    bias: &mut Vec<f32>,
+) {
+    assert!(d.is_multiple_of(8) && scale.len() == d && min.len() == d);
+    folded.resize(q.len(), 0.0);
+    let mut sums = [k.splat(0.0); 8];
+    bias.clear();
+    let rows = q.len() / d;
+    for (r, (qr, f)) in q
+        .chunks_exact(d)
+        .zip(folded.chunks_exact_mut(d))
+        .enumerate()
+    {
+        let mut b = k.splat(0.0);
+        for c in (0..d).step_by(8) {
+            // SAFETY: `c + 8 <= d` and every slice here holds `d` floats.
+            unsafe {
+                let qv = k.load_ptr(qr.as_ptr().add(c));
+                k.store_ptr(
+                    k.mul(qv, k.load_ptr(scale.as_ptr().add(c))),
+                    f.as_mut_ptr().add(c),
+                );
+                b = k.fmadd(qv, k.load_ptr(min.as_ptr().add(c)), b);
+            }
+        }
+        sums[r % 8] = b;
+        if r % 8 == 7 || r + 1 == rows {
+            bias.extend_from_slice(&k.hsum8(sums)[..r % 8 + 1]);
+        }
+    }
+}
+
+/// Sparse key outliers: corrects each score by `q · (exact − dense)`.
+#[inline(always)]
+fn correct_scores<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    block: &Block<'_>,
+    order: Order,
+    hq: &HeadQueries,
+    scores: &mut [f32],
+    g: usize,
+) {
+    if block.k.outliers.is_none() {
+        return;
+    }
+    let d = block.k.head_dim;
+    for t in 0..block.tokens {
+        for (c, x) in block.k.outliers(t) {
+            let delta = x - dense_value(k, rows, order, t, c);
+            for r in 0..hq.pos.len() {
+                scores[r * g + t] += hq.rows[r * d + c] * delta;
+            }
+        }
+    }
+}
+
+/// The packed rows of a stream of the next block, prefetched a few cache lines per step of a
+/// loop over the current block (its few parameter lines at once): pages are scattered in the
+/// pool and hardware prefetchers stop at 4 KiB boundaries, and one burst of every line at the
+/// start of a block stalls the core on its miss buffers instead.
+struct Prefetch<'a> {
+    rows: &'a [u8],
+    at: usize,
+    /// Bytes per step, a multiple of the cache line.
+    per_step: usize,
+}
+
+impl<'a> Prefetch<'a> {
+    /// Spreads the rows of `stream` over `steps` calls of [`Prefetch::step`].
+    fn new<K: Kernel>(k: K, stream: Option<&StreamBlock<'a>>, steps: usize) -> Self {
+        let rows = stream.map_or(&[][..], |s| {
+            k.prefetch(s.params);
+            s.rows
+        });
+        Prefetch {
+            rows,
+            at: 0,
+            per_step: 64 * rows.len().div_ceil(64).div_ceil(steps.max(1)),
+        }
+    }
+
+    #[inline(always)]
+    fn step<K: Kernel>(&mut self, k: K) {
+        let end = (self.at + self.per_step).min(self.rows.len());
+        k.prefetch(&self.rows[self.at.min(end)..end]);
+        self.at = end;
+    }
 }
 
 /// Masks tokens past each row's position (causal chunks), then turns the block's scores into
@@ -533,19 +754,24 @@ fn softmax_block<K: Kernel>(
     }
 }
 
-/// Token rows of one stream, dequantized eight channels at a time into a vector register.
+/// Token rows of one stream, dequantized eight channels at a time into a vector register, in
+/// the [`Order`] of the stream's format.
 ///
-/// Each implementation is built for `n` tokens of `d` channels and checks, when built, that its
-/// slices hold them; `row8` then reads without further checks.
+/// Each implementation is built for `n` tokens of `d` channels, `d` a multiple of 32, and
+/// checks, when built, that its slices hold them; `row8` then reads without further checks.
 trait Rows {
-    /// Channels `c..c + 8` of token `t`.
+    /// Positions decoded from one load (8, 16 or 32); the loops step over positions by a
+    /// multiple of it, so that `j` below is a constant in each unrolled copy.
+    const CHUNK: usize;
+
+    /// Positions `c0 + 8j .. c0 + 8j + 8` of token `t`.
     ///
     /// # Safety
-    /// `t < n`, `c % 8 == 0` and `c + 8 <= d` for the `n` and `d` the rows were built for.
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V;
+    /// `t < n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`.
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V;
 }
 
-/// Already dequantized rows (pre-RoPE keys after rotation).
+/// Already dequantized rows (pre-RoPE keys after rotation, reordered sink values).
 struct F32Rows<'a> {
     data: &'a [f32],
     d: usize,
@@ -559,11 +785,13 @@ impl<'a> F32Rows<'a> {
 }
 
 impl Rows for F32Rows<'_> {
+    const CHUNK: usize = 8;
+
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
         // SAFETY: `data` holds `n × d` floats (checked in `new`) and the contract of `row8`
-        // keeps `t·d + c + 8` within them.
-        unsafe { k.load_ptr(self.data.as_ptr().add(t * self.d + c)) }
+        // keeps `t·d + c0 + 8j + 8` within them.
+        unsafe { k.load_ptr(self.data.as_ptr().add(t * self.d + c0 + 8 * j)) }
     }
 }
 
@@ -596,10 +824,13 @@ struct F16Rows<'a> {
 }
 
 impl Rows for F16Rows<'_> {
+    const CHUNK: usize = 8;
+
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
-        // SAFETY: an f16 row has `2d` bytes; `c + 8 <= d` keeps the 16 bytes read inside it.
-        unsafe { k.f16x8(self.packed.at(t, 2 * c)) }
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: an f16 row has `2d` bytes; `c0 + 8j + 8 <= d` keeps the 16 bytes read
+        // inside it.
+        unsafe { k.f16x8(self.packed.at(t, 2 * (c0 + 8 * j))) }
     }
 }
 
@@ -610,13 +841,15 @@ struct Q8Rows<'a> {
 }
 
 impl Rows for Q8Rows<'_> {
+    const CHUNK: usize = 8;
+
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
-        // SAFETY: a q8 row has `d` bytes; `c + 8 <= d` keeps the 8 bytes read inside it;
-        // `scales` holds one per token (checked where built).
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: a q8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside
+        // it; `scales` holds one per token (checked where built).
         unsafe {
             k.mul(
-                k.i8x8(self.packed.at(t, c)),
+                k.i8x8(self.packed.at(t, c0 + 8 * j)),
                 k.splat(*self.scales.get_unchecked(t)),
             )
         }
@@ -631,8 +864,11 @@ struct Q80Rows<'a> {
 }
 
 impl Rows for Q80Rows<'_> {
+    const CHUNK: usize = 8;
+
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        let c = c0 + 8 * j;
         let (b, i) = (c / Q8_0_BLOCK, c % Q8_0_BLOCK);
         // SAFETY: block `b < d / 32` of the row holds 2 + 32 bytes and `i + 8 <= 32`; `scales`
         // holds `n × blocks` (checked where built).
@@ -646,68 +882,102 @@ impl Rows for Q80Rows<'_> {
     }
 }
 
-/// Eight packed low-bit codes of channels `c..c + 8` of row `t`.
-///
-/// # Safety
-/// As [`Rows::row8`], for rows of `d · BITS / 8` bytes.
-#[inline(always)]
-unsafe fn codes8<K: Kernel, const BITS: usize>(
-    k: K,
-    packed: &Packed<'_>,
-    t: usize,
-    c: usize,
-) -> K::V {
-    // SAFETY: the row has `d · BITS / 8` bytes; `c + 8 <= d` keeps the `BITS` bytes read at
-    // `c · BITS / 8` inside it.
-    unsafe {
-        if BITS == 4 {
-            k.u4x8(packed.at(t, c / 2))
-        } else {
-            k.u2x8(packed.at(t, c / 4))
+/// Bare low-bit codes: 16 (4-bit) or 32 (2-bit) positions per 8-byte load, in the
+/// [`Order::Nibbles`] or [`Order::Crumbs`] order. Used alone for per-channel keys, whose
+/// parameters are folded into the queries.
+#[derive(Clone, Copy)]
+struct ChanCodes<'a, const BITS: usize> {
+    packed: Packed<'a>,
+}
+
+impl<const BITS: usize> ChanCodes<'_, BITS> {
+    /// `table[code]` for positions `c0 + 8j ..+ 8` of row `t` (`table` is used by 2-bit codes
+    /// only; 4-bit codes are converted).
+    ///
+    /// # Safety
+    /// As [`Rows::row8`], for rows of `d · BITS / 8` bytes and `d` a multiple of 32.
+    #[inline(always)]
+    unsafe fn lookup<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize, table: K::V) -> K::V {
+        let chunk = <Self as Rows>::CHUNK;
+        let per_load = chunk / 8;
+        // The load that holds position `c0 + 8j`, and which of its vectors that is.
+        let (base, j) = (c0 + j / per_load * chunk, j % per_load);
+        // SAFETY: `d` is a multiple of `CHUNK`, so the chunk at `base` lies within the row,
+        // whose `base · BITS / 8 .. + 8` bytes hold it.
+        unsafe {
+            let p = self.packed.at(t, base * BITS / 8);
+            if BITS == 4 {
+                k.nib8(p, j == 1)
+            } else {
+                k.crumb8(p, j as u32, table)
+            }
         }
+    }
+}
+
+impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
+    const CHUNK: usize = 64 / BITS;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: forwarded contract.
+        unsafe { self.lookup(k, t, c0, j, k.crumb_table(1.0, 0.0)) }
     }
 }
 
 /// `q*_tok`: `min[t][group] + scale[t][group] · code`.
 struct TokRows<'a, const BITS: usize> {
-    packed: Packed<'a>,
+    codes: ChanCodes<'a, BITS>,
     /// `(scale, min)` per token per group.
     params: &'a [f32],
     groups: usize,
-    /// log2 of the channels per group (group sizes are powers of two).
+    /// log2 of the channels per group (group sizes are powers of two, at least 32).
     group_shift: u32,
 }
 
 impl<const BITS: usize> Rows for TokRows<'_, BITS> {
+    const CHUNK: usize = 64 / BITS;
+
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
-        let p = 2 * (t * self.groups + (c >> self.group_shift));
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // A chunk lies within one group, so position `c0` names the group.
+        let p = 2 * (t * self.groups + (c0 >> self.group_shift));
         // SAFETY: forwarded contract; `params` holds `2 × groups` per token (checked where
-        // built) and `c >> group_shift < groups`.
+        // built) and `c0 >> group_shift < groups`.
         unsafe {
-            let codes = codes8::<K, BITS>(k, &self.packed, t, c);
             let (scale, min) = (
                 *self.params.get_unchecked(p),
                 *self.params.get_unchecked(p + 1),
             );
-            k.fmadd(codes, k.splat(scale), k.splat(min))
+            if BITS == 4 {
+                let codes = self.codes.lookup(k, t, c0, j, k.splat(0.0));
+                k.fmadd(codes, k.splat(scale), k.splat(min))
+            } else {
+                // The table holds the four dequantized values.
+                self.codes.lookup(k, t, c0, j, k.crumb_table(scale, min))
+            }
         }
     }
 }
 
-/// `q*_chan`: `min[c] + scale[c] · code`, parameters shared by the page's tokens.
+/// `q*_chan`: `min[c] + scale[c] · code`, parameters shared by the page's tokens (for the
+/// outlier corrections and pre-RoPE keys; scores fold the parameters into the queries).
 struct ChanRows<'a, const BITS: usize> {
-    packed: Packed<'a>,
+    codes: ChanCodes<'a, BITS>,
+    /// Per position, in the codes' order.
     scale: &'a [f32],
     min: &'a [f32],
 }
 
 impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
+    const CHUNK: usize = 64 / BITS;
+
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c: usize) -> K::V {
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        let c = c0 + 8 * j;
         // SAFETY: forwarded contract; `scale` and `min` hold `d` floats (checked where built).
         unsafe {
-            let codes = codes8::<K, BITS>(k, &self.packed, t, c);
+            let codes = self.codes.row8(k, t, c0, j);
             let scale = k.load_ptr(self.scale.as_ptr().add(c));
             k.fmadd(codes, scale, k.load_ptr(self.min.as_ptr().add(c)))
         }
@@ -733,12 +1003,15 @@ impl StreamBlock<'_> {
                     .map(move |b| get_f16(self.rows, t * self.row_bytes + b * Q8_0_BLOCK_BYTES))
             })),
             Format::Chan { .. } => {
-                // Convert the (scale, min) pairs, then de-interleave: scales, then minimums.
+                // Convert the (scale, min) pairs, then de-interleave into the codes' order:
+                // scales, then minimums.
+                let order = Order::of(self.format);
                 out.resize(4 * d, 0.0);
                 let (planar, pairs) = out.split_at_mut(2 * d);
                 k.f16_to_f32(&self.params[..4 * d], pairs);
                 for (c, sm) in pairs.chunks_exact(2).enumerate() {
-                    (planar[c], planar[d + c]) = (sm[0], sm[1]);
+                    let p = order.position(c);
+                    (planar[p], planar[d + p]) = (sm[0], sm[1]);
                 }
                 out.truncate(2 * d);
             }
@@ -775,7 +1048,9 @@ macro_rules! for_row_groups {
 }
 
 /// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
-/// rows per pass so each key row is decoded once per four query rows.
+/// rows per pass so each key row is decoded once per four query rows. `q` is in the rows'
+/// order.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn score_block<K: Kernel, R: Rows>(
     k: K,
@@ -785,9 +1060,10 @@ fn score_block<K: Kernel, R: Rows>(
     q: &[f32],
     scores: &mut [f32],
     g: usize,
+    prefetch: &mut Prefetch<'_>,
 ) {
     for_row_groups!(q.len() / d, |r0, QR| score_rows::<K, R, QR>(
-        k, rows, n, d, q, r0, scores, g
+        k, rows, n, d, q, r0, scores, g, prefetch
     ));
 }
 
@@ -804,11 +1080,13 @@ fn score_rows<K: Kernel, R: Rows, const QR: usize>(
     r0: usize,
     scores: &mut [f32],
     g: usize,
+    prefetch: &mut Prefetch<'_>,
 ) {
-    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(8) && n <= g);
+    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(R::CHUNK) && n <= g);
     assert!(scores.len() >= (r0 + QR) * g);
     let mut t = 0;
     while t + 2 <= n {
+        prefetch.step(k);
         score_tokens::<K, R, QR, 2>(k, rows, d, q, r0, t, scores, g);
         t += 2;
     }
@@ -818,7 +1096,7 @@ fn score_rows<K: Kernel, R: Rows, const QR: usize>(
 }
 
 /// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
-/// that the rows, tokens and scores are in range.
+/// that the rows, tokens and scores are in range and that `d` is a multiple of `R::CHUNK`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
@@ -833,15 +1111,23 @@ fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
 ) {
     let qp = q.as_ptr();
     let mut acc = [[k.splat(0.0); QR]; TT];
-    for c in (0..d).step_by(8) {
-        // SAFETY: `t0 + TT <= n` and `c + 8 <= d` (the rows' contract); query row `r0 + j`
-        // lies within `q` (checked by `score_rows`).
-        unsafe {
-            let keys: [K::V; TT] = std::array::from_fn(|i| rows.row8(k, t0 + i, c));
-            for j in 0..QR {
-                let qv = k.load_ptr(qp.add((r0 + j) * d + c));
-                for (acc, key) in acc.iter_mut().zip(keys) {
-                    acc[j] = k.fmadd(qv, key, acc[j]);
+    for c0 in (0..d).step_by(R::CHUNK) {
+        for j in 0..R::CHUNK / 8 {
+            // SAFETY: `t0 + TT <= n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`
+            // (the rows' contract); query row `r0 + i` lies within `q` (checked by
+            // `score_rows`).
+            unsafe {
+                // A plain loop, not `array::from_fn`: a closure the compiler leaves out of
+                // line is compiled without AVX2 and turns every intrinsic into a call.
+                let mut keys = [k.splat(0.0); TT];
+                for (i, key) in keys.iter_mut().enumerate() {
+                    *key = rows.row8(k, t0 + i, c0, j);
+                }
+                for i in 0..QR {
+                    let qv = k.load_ptr(qp.add((r0 + i) * d + c0 + 8 * j));
+                    for (acc, key) in acc.iter_mut().zip(keys) {
+                        acc[i] = k.fmadd(qv, key, acc[i]);
+                    }
                 }
             }
         }
@@ -862,8 +1148,9 @@ fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
     }
 }
 
-/// `acc += Σ_t w[t] · value[t]` for up to four query rows, eight channels at a time with the
-/// rows' accumulators in registers across the block's tokens.
+/// `acc += Σ_t w[t] · value[t]` for up to four query rows, sixteen positions at a time with
+/// the rows' accumulators in registers across the block's tokens. `acc` is in the rows' order.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn accumulate_block<K: Kernel, R: Rows>(
     k: K,
@@ -873,14 +1160,15 @@ fn accumulate_block<K: Kernel, R: Rows>(
     w: &[f32],
     g: usize,
     acc: &mut [f32],
+    prefetch: &mut Prefetch<'_>,
 ) {
     for_row_groups!(acc.len() / d, |r0, QR| {
-        accumulate_rows::<K, R, QR>(k, rows, n, d, w, g, r0, acc)
+        accumulate_rows::<K, R, QR>(k, rows, n, d, w, g, r0, acc, prefetch)
     });
 }
 
-/// Sixteen channels per pass: each weight broadcast feeds two FMAs and the `2 × QR`
-/// accumulators are independent chains across the tokens.
+/// Sixteen positions per pass: each weight broadcast feeds two FMAs and the `2 × QR`
+/// accumulators are independent chains across the tokens. A 2-bit chunk takes two passes.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
@@ -892,47 +1180,70 @@ fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
     g: usize,
     r0: usize,
     acc: &mut [f32],
+    prefetch: &mut Prefetch<'_>,
 ) {
+    let step = R::CHUNK.max(16);
     assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
-    assert!(d.is_multiple_of(16));
+    assert!(d.is_multiple_of(step) && step.is_multiple_of(R::CHUNK));
     let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
-    for c in (0..d).step_by(16) {
-        // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in `w`
-        // and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c + 16 <= d` is the
-        // rows' contract.
-        unsafe {
-            let mut a = [[k.splat(0.0); 2]; QR];
-            for (j, a) in a.iter_mut().enumerate() {
-                for (h, a) in a.iter_mut().enumerate() {
-                    *a = k.load_ptr(ap.add((r0 + j) * d + c + 8 * h));
-                }
-            }
-            for t in 0..n {
-                let value = [rows.row8(k, t, c), rows.row8(k, t, c + 8)];
+    for c0 in (0..d).step_by(step) {
+        for pass in 0..step / 16 {
+            prefetch.step(k);
+            let c = c0 + 16 * pass;
+            // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in
+            // `w` and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c0` a multiple
+            // of `CHUNK` and `c + 16 <= d` is the rows' contract.
+            unsafe {
+                let mut a = [[k.splat(0.0); 2]; QR];
                 for (j, a) in a.iter_mut().enumerate() {
-                    let wt = k.splat(*wp.add((r0 + j) * g + t));
-                    for (a, v) in a.iter_mut().zip(value) {
-                        *a = k.fmadd(wt, v, *a);
+                    for (h, a) in a.iter_mut().enumerate() {
+                        *a = k.load_ptr(ap.add((r0 + j) * d + c + 8 * h));
                     }
                 }
-            }
-            for (j, a) in a.into_iter().enumerate() {
-                for (h, a) in a.into_iter().enumerate() {
-                    k.store_ptr(a, ap.add((r0 + j) * d + c + 8 * h));
+                for t in 0..n {
+                    let value = [
+                        rows.row8(k, t, c0, 2 * pass),
+                        rows.row8(k, t, c0, 2 * pass + 1),
+                    ];
+                    for (j, a) in a.iter_mut().enumerate() {
+                        let wt = k.splat(*wp.add((r0 + j) * g + t));
+                        for (a, v) in a.iter_mut().zip(value) {
+                            *a = k.fmadd(wt, v, *a);
+                        }
+                    }
+                }
+                for (j, a) in a.into_iter().enumerate() {
+                    for (h, a) in a.into_iter().enumerate() {
+                        k.store_ptr(a, ap.add((r0 + j) * d + c + 8 * h));
+                    }
                 }
             }
         }
     }
 }
 
-/// Writes the first `n` dequantized rows into `out` (`n × d`).
+/// Writes the first `n` dequantized rows into `out` (`n × d`), in natural channel order (the
+/// rows' order is `order`).
 #[inline(always)]
-fn decode_block<K: Kernel, R: Rows>(k: K, rows: &R, n: usize, d: usize, out: &mut [f32]) {
-    assert!(out.len() >= n * d && d.is_multiple_of(8));
+fn decode_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    order: Order,
+    n: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    assert!(out.len() >= n * d && d.is_multiple_of(R::CHUNK));
+    let mut row = vec![0f32; d];
     for t in 0..n {
-        for c in (0..d).step_by(8) {
-            // SAFETY: `t < n`, `c + 8 <= d`.
-            k.store(unsafe { rows.row8(k, t, c) }, &mut out[t * d + c..]);
+        for c0 in (0..d).step_by(R::CHUNK) {
+            for j in 0..R::CHUNK / 8 {
+                // SAFETY: `t < n`, `c0` a multiple of `CHUNK`, `c0 + 8j + 8 <= d`.
+                k.store(unsafe { rows.row8(k, t, c0, j) }, &mut row[c0 + 8 * j..]);
+            }
+        }
+        for (p, &v) in row.iter().enumerate() {
+            out[t * d + order.channel(p)] = v;
         }
     }
 }
@@ -940,10 +1251,12 @@ fn decode_block<K: Kernel, R: Rows>(k: K, rows: &R, n: usize, d: usize, out: &mu
 /// The dense (clipped, quantized) value of channel `c` of token `t`, computed exactly as the
 /// vector loops compute it, so an outlier correction `exact − dense` restores `exact`.
 #[inline(always)]
-fn dense_value<K: Kernel, R: Rows>(k: K, rows: &R, t: usize, c: usize) -> f32 {
+fn dense_value<K: Kernel, R: Rows>(k: K, rows: &R, order: Order, t: usize, c: usize) -> f32 {
+    let p = order.position(c);
+    let c0 = p / R::CHUNK * R::CHUNK;
     let mut lanes = [0f32; 8];
-    // SAFETY: the outlier store holds channels `c < d` of tokens `t < n`, and `d` is a
-    // multiple of 8.
-    k.store(unsafe { rows.row8(k, t, c & !7) }, &mut lanes);
-    lanes[c & 7]
+    // SAFETY: the outlier store holds channels `c < d` of tokens `t < n`; `d` is a multiple of
+    // `CHUNK`, so `c0` is one and `p - p % 8 + 8 <= d`.
+    k.store(unsafe { rows.row8(k, t, c0, (p - c0) / 8) }, &mut lanes);
+    lanes[p % 8]
 }

@@ -1,7 +1,9 @@
 //! The arithmetic of the CPU kernels, written once over an 8-lane vector type and compiled
 //! twice: a portable version and, on x86-64 CPUs that have them, one with AVX2, FMA and F16C,
 //! chosen at run time. Every packed format is decoded straight into a vector register, 8
-//! channels at a time, so dequantized values never go through memory.
+//! channels at a time, so dequantized values never go through memory. The 4-bit and 2-bit
+//! decoders read 8 bytes, 16 or 32 channels, per load and hand out 8 lanes of them in an
+//! interleaved order (see `nib8` and `crumb8`), which the attention loops follow.
 
 use half::f16;
 
@@ -40,16 +42,28 @@ pub(crate) trait Kernel: Copy {
     // The decoders below read packed data straight from a page.
     //
     // # Safety
-    // `p` points to the bytes read: 16 for `f16x8`, 8 for `i8x8`, 4 for `u4x8`, 2 for `u2x8`.
+    // `p` points to the bytes read: 16 for `f16x8`, 8 for the others.
 
     /// Eight little-endian f16.
     unsafe fn f16x8(self, p: *const u8) -> Self::V;
     /// Eight int8.
     unsafe fn i8x8(self, p: *const u8) -> Self::V;
-    /// Eight 4-bit codes, low nibble first.
-    unsafe fn u4x8(self, p: *const u8) -> Self::V;
-    /// Eight 2-bit codes, low bits first.
-    unsafe fn u2x8(self, p: *const u8) -> Self::V;
+    /// Eight 4-bit codes, one from each of 8 bytes: the low nibbles (channels 0, 2, .., 14 of
+    /// the 16 the bytes hold) or, with `high`, the high nibbles (channels 1, 3, .., 15).
+    unsafe fn nib8(self, p: *const u8, high: bool) -> Self::V;
+    /// `table[code]` for eight 2-bit codes, one from each of 8 bytes: bits `2j..2j + 2`
+    /// (channels `j, 4 + j, .., 28 + j` of the 32 the bytes hold; `j < 4`). Lanes 4..8 of
+    /// `table` must repeat lanes 0..4 (see [`Kernel::crumb_table`]).
+    unsafe fn crumb8(self, p: *const u8, j: u32, table: Self::V) -> Self::V;
+
+    /// The `crumb8` table of `scale · code + min` (lane `i` holds code `i % 4`), computed as
+    /// `fmadd(code, scale, min)` like every other affine decode; `(1, 0)` gives the codes.
+    #[inline(always)]
+    fn crumb_table(self, scale: f32, min: f32) -> Self::V {
+        // SAFETY: `CRUMB_CODES` holds 8 floats.
+        let codes = unsafe { self.load_ptr(CRUMB_CODES.as_ptr()) };
+        self.fmadd(codes, self.splat(scale), self.splat(min))
+    }
 
     /// Hints that `bytes` will be read soon. Pages are scattered in the pool and hardware
     /// prefetchers stop at 4 KiB boundaries, so attention fetches the next block ahead.
@@ -82,6 +96,9 @@ pub(crate) trait Kernel: Copy {
         }
     }
 }
+
+/// The 2-bit codes of the lanes of a [`Kernel::crumb8`] table.
+static CRUMB_CODES: [f32; 8] = [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0];
 
 /// Coefficients of `2^f - 1 ≈ f · P(f)` on `[-0.5, 0.5]` (Cephes `exp2f`).
 const EXP2_POLY: [f32; 6] = [
@@ -169,17 +186,17 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
-    unsafe fn u4x8(self, p: *const u8) -> [f32; 8] {
-        // SAFETY: the caller guarantees 4 readable bytes.
-        let w = u32::from_le_bytes(unsafe { p.cast::<[u8; 4]>().read_unaligned() });
-        std::array::from_fn(|i| ((w >> (4 * i)) & 15) as f32)
+    unsafe fn nib8(self, p: *const u8, high: bool) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
+        b.map(|x| f32::from(if high { x >> 4 } else { x & 15 }))
     }
 
     #[inline(always)]
-    unsafe fn u2x8(self, p: *const u8) -> [f32; 8] {
-        // SAFETY: the caller guarantees 2 readable bytes.
-        let w = u16::from_le_bytes(unsafe { p.cast::<[u8; 2]>().read_unaligned() });
-        std::array::from_fn(|i| f32::from((w >> (2 * i)) & 3))
+    unsafe fn crumb8(self, p: *const u8, j: u32, table: [f32; 8]) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
+        b.map(|x| table[usize::from((x >> (2 * j)) & 3)])
     }
 }
 
@@ -279,28 +296,30 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn u4x8(self, p: *const u8) -> __m256 {
-            // SAFETY: see the module note; the caller guarantees 4 readable bytes.
+        unsafe fn nib8(self, p: *const u8, high: bool) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes. One
+            // zero-extending load gives a byte per lane; both halves of a chunk load the same
+            // address, which the compiler merges.
             unsafe {
-                let word = p.cast::<u32>().read_unaligned();
-                let lanes = _mm256_srlv_epi32(
-                    _mm256_set1_epi32(word as i32),
-                    _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-                );
-                _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(15)))
+                let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()));
+                let codes = if high {
+                    _mm256_srli_epi32::<4>(bytes)
+                } else {
+                    _mm256_and_si256(bytes, _mm256_set1_epi32(15))
+                };
+                _mm256_cvtepi32_ps(codes)
             }
         }
 
         #[inline(always)]
-        unsafe fn u2x8(self, p: *const u8) -> __m256 {
-            // SAFETY: see the module note; the caller guarantees 2 readable bytes.
+        unsafe fn crumb8(self, p: *const u8, j: u32, table: __m256) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes. The lane
+            // permute reads the low 3 bits of each index, of which bit 2 is the next code's:
+            // the table repeats itself past lane 4, so only bits 0..2 matter.
             unsafe {
-                let word = p.cast::<u16>().read_unaligned();
-                let lanes = _mm256_srlv_epi32(
-                    _mm256_set1_epi32(i32::from(word)),
-                    _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
-                );
-                _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(3)))
+                let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()));
+                let index = _mm256_srlv_epi32(bytes, _mm256_set1_epi32((2 * j) as i32));
+                _mm256_permutevar8x32_ps(table, index)
             }
         }
 
@@ -386,6 +405,7 @@ mod tests {
                 .flat_map(|x| f16::from_f32(*x).to_le_bytes())
                 .collect();
             let bytes = [0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a];
+            let table = k.crumb_table(0.5, -1.0);
             let mut out = Vec::new();
             let mut buf = [0f32; 8];
             // SAFETY: `a` and `b` hold 8 floats each.
@@ -396,8 +416,12 @@ mod tests {
                 // SAFETY: `halves` holds 16 bytes, `bytes` 8.
                 unsafe { k.f16x8(halves.as_ptr()) },
                 unsafe { k.i8x8(bytes.as_ptr()) },
-                unsafe { k.u4x8(bytes.as_ptr()) },
-                unsafe { k.u2x8(bytes.as_ptr()) },
+                unsafe { k.nib8(bytes.as_ptr(), false) },
+                unsafe { k.nib8(bytes.as_ptr(), true) },
+                unsafe { k.crumb8(bytes.as_ptr(), 0, table) },
+                unsafe { k.crumb8(bytes.as_ptr(), 1, table) },
+                unsafe { k.crumb8(bytes.as_ptr(), 2, table) },
+                unsafe { k.crumb8(bytes.as_ptr(), 3, table) },
             ] {
                 k.store(v, &mut buf);
                 out.extend(buf);
@@ -431,16 +455,31 @@ mod tests {
                 "value {i}: {f} vs {p}"
             );
         }
-        // Decoded codes: int8, then 4-bit and 2-bit, low bits first.
+        // Decoded codes: int8, then 4-bit (low nibbles, high nibbles) and 2-bit (bits 0..2,
+        // .., bits 6..8 of each byte, through the table `0.5 · code - 1`).
         assert_eq!(
             &portable[24..32],
             &[16.0, -14.0, 127.0, -128.0, 1.0, -1.0, 0.0, 90.0]
         );
         assert_eq!(
             &portable[32..40],
-            &[0.0, 1.0, 2.0, 15.0, 15.0, 7.0, 0.0, 8.0]
+            &[0.0, 2.0, 15.0, 0.0, 1.0, 15.0, 0.0, 10.0]
         );
-        assert_eq!(&portable[40..48], &[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 3.0, 3.0]);
+        assert_eq!(
+            &portable[40..48],
+            &[1.0, 15.0, 7.0, 8.0, 0.0, 15.0, 0.0, 5.0]
+        );
+        let crumbs: Vec<f32> = [
+            [0, 2, 3, 0, 1, 3, 0, 2],
+            [0, 0, 3, 0, 0, 3, 0, 2],
+            [1, 3, 3, 0, 0, 3, 0, 1],
+            [0, 3, 1, 2, 0, 3, 0, 1],
+        ]
+        .iter()
+        .flatten()
+        .map(|&c| 0.5 * c as f32 - 1.0)
+        .collect();
+        assert_eq!(&portable[48..80], &crumbs[..]);
     }
 
     struct Exp2(Vec<f32>);
