@@ -49,6 +49,22 @@ struct Acc {
     float min_sum[kRows<D>];
 };
 
+// This workgroup's slices of the partial outputs: `rows × head_dim` accumulators and `rows`
+// maxima. They are written at its end; before that they hold the page's folded query of
+// per-channel keys (`fold_chan_query`), so the fold needs no buffer of its own.
+struct OutputSlices {
+    float *acc;
+    float *max;
+};
+template <int D>
+HIPKV_DEV OutputSlices output_slices(const hipkv_attn_params &p) {
+    const uint32_t groups = (p.gqa + kRows<D> - 1) / kRows<D>;  // row groups per KV head
+    const uint32_t split = blockIdx.x, head = blockIdx.y / groups, query = blockIdx.z;
+    const uint32_t row0 = (blockIdx.y % groups) * kRows<D>;
+    const size_t out = (((size_t)query * p.kv_heads + head) * p.splits + split) * p.gqa + row0;
+    return {p.partial_acc + out * D, p.partial_max + out};
+}
+
 // Scores of token `t` of the run for every query row: `s[r] = q[r] · key(t)`.
 template <int F, int D>
 HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
@@ -105,9 +121,10 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 if ((uint32_t)r < rows) s[r] += scale * dot[r];
         }
     } else {
-        // f16 and q8 (one scale per token), and per-channel formats, whose scale and minimum
-        // are the same for every lane (uniform operands) and cost one FMA per element for all
-        // rows together.
+        // f16 and q8 (one scale per token), and per-channel formats, whose codes are dotted
+        // with the page's folded query `q ∘ s` (then plus the row's `q · m`).
+        const float *qk = q;
+        if constexpr (format_is_chan(F)) qk = vector_ptr(output_slices<D>(p).acc);
         HIPKV_ROLLED
         for (uint32_t c0 = 0; c0 < D; c0 += kChunk) {
             const uint8_t *at = row + c0 * format_bits(F) / 8;
@@ -116,14 +133,15 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 const uint32_t c = c0 + 8 * j;
                 float x[8];
                 chunk_codes8<F>(b, j, x);
-                if constexpr (format_is_chan(F))
-                    for (int i = 0; i < 8; ++i)
-                        x[i] = load_f16(k.params + 4 * (c + i) + 2) +
-                               load_f16(k.params + 4 * (c + i)) * x[i];
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
-                        for (int i = 0; i < 8; ++i) s[r] += q[r * D + c + i] * x[i];
+                        for (int i = 0; i < 8; ++i) s[r] += qk[r * D + c + i] * x[i];
             }
+        }
+        if constexpr (format_is_chan(F)) {
+            const float *bias = vector_ptr(output_slices<D>(p).max);
+            for (int r = 0; r < kRows<D>; ++r)
+                if ((uint32_t)r < rows) s[r] += bias[r];
         }
         if constexpr (F == HIPKV_Q8) {
             const float scale = load_f16(k.params + 2 * t);
@@ -357,6 +375,35 @@ HIPKV_DEV StreamView page_stream(const uint8_t *block, const hipkv_stream_layout
     return s;
 }
 
+// Per-channel keys, `x = m + s·code` per channel of the page: `q·x = (q ∘ s)·code + q·m`. Folds
+// the page's scales into the query rows and its minimums into one term per row, once per page,
+// so scoring decodes bare codes (no parameter loads or FMA per element). Written to this
+// workgroup's output slices (`output_slices`), which every lane then reads.
+template <int D>
+HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const float *q, const uint8_t *params,
+                               uint32_t rows) {
+    const OutputSlices fold = output_slices<D>(p);
+    barrier();  // every lane has scored the previous page with the previous fold
+    float bias[kRows<D>];
+    for (int r = 0; r < kRows<D>; ++r) bias[r] = 0.0f;
+    HIPKV_ROLLED
+    for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE) {
+        const float scale = load_f16(params + 4 * c), min = load_f16(params + 4 * c + 2);
+        for (int r = 0; r < kRows<D>; ++r) {
+            if ((uint32_t)r >= rows) continue;
+            fold.acc[r * D + c] = q[r * D + c] * scale;
+            bias[r] += q[r * D + c] * min;
+        }
+    }
+    for (int r = 0; r < kRows<D>; ++r) {
+        if ((uint32_t)r >= rows) continue;
+        const float b = wave_sum(bias[r]);
+        if (lane_id() == 0) fold.max[r] = b;
+    }
+    fence_workgroup();
+    barrier();
+}
+
 template <int KF, int VF, int D>
 HIPKV_DEV void attention(const hipkv_attn_params &p) {
     __shared__ float weights[kRows<D>][HIPKV_WAVE];
@@ -400,13 +447,18 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
                                (size_t)head * p.head_block_bytes;
         const size_t resid = (size_t)head * g * D;
         const bool k_open = p.k.residual && tokens < g, v_open = p.v.residual && tokens < g;
+        if constexpr (format_is_chan(KF))
+            if (!k_open && !p.pre_rope) fold_chan_query<D>(p, q, block + p.k.params, rows);
         attend_block<KF, VF, D>(
             p, k_open ? f16_stream(p.residual_k[query] + resid, D) : page_stream(block, p.k),
             v_open ? f16_stream(p.residual_v[query] + resid, D) : page_stream(block, p.v), k_open,
             v_open, tokens, pos0, q, qsum, rows, st, acc, weights);
     }
 
+    // The same slices as `output_slices`.
     const size_t out = (qh * p.splits + split) * p.gqa + row0;
+    // Per-channel keys: the last page's folded query, in these slices, has been read.
+    if constexpr (format_is_chan(KF)) barrier();
     // Rows in a loop of constant trip count: the state arrays stay in registers.
     for (int r = 0; r < kRows<D>; ++r) {
         if ((uint32_t)r >= rows) continue;

@@ -188,6 +188,16 @@ HIPKV_DEV const T *vector_ptr(const T *p) {
 // Workgroup barrier: every work-item of the workgroup must reach the same one.
 HIPKV_DEV void barrier() { __syncthreads(); }
 
+// Orders this work-item's global memory writes before its later ones as the rest of the
+// workgroup sees them (then `barrier` to let it read them).
+HIPKV_DEV void fence_workgroup() {
+#if defined(HIPKV_EMU)
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#else
+    __threadfence_block();
+#endif
+}
+
 // `*p += x` as one atomic operation on device memory (other workgroups may add at once).
 HIPKV_DEV void atomic_add(uint64_t *p, uint64_t x) {
 #if defined(HIPKV_EMU)
