@@ -138,7 +138,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// The buffer's values.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut out = vec![T::default_bits(); self.len];
+        // SAFETY: every bit pattern, all-zero included, is a valid `T` (`DeviceCopy`).
+        let zero: T = unsafe { std::mem::zeroed() };
+        let mut out = vec![zero; self.len];
         self.copy_to_host(&mut out)?;
         Ok(out)
     }
@@ -152,18 +154,6 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             (self.rt.api().hipMemsetAsync)(self.ptr, 0, self.len * size_of::<T>(), stream.raw)
         };
         Ok(self.rt.check("hipMemsetAsync", code)?)
-    }
-}
-
-/// A zero value of a `DeviceCopy` type, to size host copies.
-trait DefaultBits: Sized {
-    fn default_bits() -> Self;
-}
-
-impl<T: DeviceCopy> DefaultBits for T {
-    fn default_bits() -> T {
-        // SAFETY: every bit pattern, all-zero included, is a valid `T` (`DeviceCopy`).
-        unsafe { std::mem::zeroed() }
     }
 }
 
