@@ -349,6 +349,9 @@ pub struct SchemeReport {
     pub bytes_per_token: f64,
     /// Bits per cached element once pages are full ([`Scheme::bytes_per_token`]).
     pub bits_per_element: f64,
+    /// Outliers (elements outside the calibrated range) that found no free slot in their token's
+    /// sparse store and were clipped instead, over all layers; 0 without `outliers`.
+    pub outliers_dropped: u64,
     pub depth: Vec<DepthBucket>,
 }
 
@@ -440,10 +443,10 @@ pub fn evaluate(
         }
     }
     let baseline_nll = mean(base_nll.iter().copied());
-    let reports = schemes
+    let reports = runs
         .iter()
         .zip(&stats)
-        .map(|(scheme, stats)| scheme_report(&cfg, *scheme, n, stats, baseline_nll))
+        .map(|(run, stats)| scheme_report(&cfg, run.cache(), stats, baseline_nll))
         .collect();
     Ok(Report {
         tokens: n,
@@ -470,11 +473,12 @@ fn quantile(xs: &[f64], q: f64) -> f64 {
 
 fn scheme_report(
     cfg: &ModelConfig,
-    scheme: Scheme,
-    tokens: usize,
+    cache: &KvCache,
     stats: &[TokenStats],
     baseline_nll: f64,
 ) -> SchemeReport {
+    let scheme = cache.config().scheme;
+    let tokens = cache.config().capacity;
     let kl: Vec<f64> = stats.iter().map(|s| s.kl).collect();
     let nll = mean(stats.iter().map(|s| s.nll));
     let top1 = |s: &[TokenStats]| mean(s.iter().map(|s| f64::from(u8::from(s.top1))));
@@ -502,6 +506,7 @@ fn scheme_report(
         perplexity: nll.exp(),
         bytes_per_token: per_head * (cfg.layers * cfg.kv_heads) as f64,
         bits_per_element: scheme.bytes_per_token(cfg.head_dim) * 8.0 / (2 * cfg.head_dim) as f64,
+        outliers_dropped: cache.outliers_dropped(),
         depth,
     }
 }

@@ -18,7 +18,7 @@ const FONT_PATHS: [&str; 3] = [
 ];
 
 const FONT: &str = "sans-serif";
-const SIZE: (u32, u32) = (960, 640);
+const SIZE: (u32, u32) = (960, 720);
 
 /// Registers the plot font once; the result is remembered.
 fn font() -> Result<(), EvalError> {
@@ -121,16 +121,11 @@ pub fn plot_pareto(report: &Report, title: &str, path: &Path) -> Result<PathBuf,
         .map_err(&err)?;
     for (i, &(name, x, kl)) in points.iter().enumerate() {
         let c = color(i);
-        chart
-            .draw_series(std::iter::once(Circle::new((x, kl), 6, c.filled())))
-            .map_err(&err)?;
-        chart
-            .draw_series(std::iter::once(Text::new(
-                name.to_string(),
-                (x, kl),
-                (FONT, 15).into_font().color(&c),
-            )))
-            .map_err(&err)?;
+        // The name to the right of its point, so neighbouring points stay readable.
+        let point = EmptyElement::at((x, kl))
+            + Circle::new((0, 0), 6, c.filled())
+            + Text::new(name.to_string(), (10, -8), (FONT, 15).into_font().color(&c));
+        chart.draw_series(std::iter::once(point)).map_err(&err)?;
     }
     root.present().map_err(&err)?;
     Ok(path.to_path_buf())
@@ -151,6 +146,8 @@ pub fn plot_depth(report: &Report, title: &str, path: &Path) -> Result<PathBuf, 
             .iter()
             .flat_map(|s| s.depth.iter().filter_map(|b| b.mean_kl)),
     );
+    // Three empty decades below the data hold the legend.
+    let y = y.start / 1e3..y.end;
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(&err)?;
     let mut chart = ChartBuilder::on(&root)
@@ -213,7 +210,7 @@ pub fn plot_depth(report: &Report, title: &str, path: &Path) -> Result<PathBuf, 
         .label_font((FONT, 15))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::LowerRight)
         .draw()
         .map_err(&err)?;
     root.present().map_err(&err)?;
