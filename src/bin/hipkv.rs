@@ -722,6 +722,10 @@ fn print_eval(report: &hipkv::eval::Report) {
     for b in &buckets {
         print!("  {:>9}", name(b.from, b.to));
     }
+    let outliers = report.schemes.iter().any(|s| s.outliers_dropped > 0);
+    if outliers {
+        print!("  {:>9}", "outl.drop");
+    }
     println!();
     for s in &report.schemes {
         print!(
@@ -737,6 +741,9 @@ fn print_eval(report: &hipkv::eval::Report) {
         );
         for b in s.depth.iter().filter(|b| b.tokens > 0) {
             print!("  {:>9.2e}", b.mean_kl.unwrap_or(0.0));
+        }
+        if outliers {
+            print!("  {:>9}", s.outliers_dropped);
         }
         println!();
     }
