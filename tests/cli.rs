@@ -150,7 +150,13 @@ fn a_forced_backend_that_cannot_run_is_an_error() {
 
 #[test]
 fn eval_without_the_model_names_the_fetch_script() {
-    let out = hipkv(&["eval", "--model", "/nonexistent/model.gguf", "--tokens", "16"]);
+    let out = hipkv(&[
+        "eval",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--tokens",
+        "16",
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("/nonexistent/model.gguf not found"), "{err}");
