@@ -640,9 +640,15 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
     let total = tokens.len() * (schemes.len() + 1);
     let progress = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta}",
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens, {tokens_per_sec}, ETA {eta}",
         )
-        .expect("static template"),
+        .expect("static template")
+        .with_key(
+            "tokens_per_sec",
+            |state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:.0} tokens/s", state.per_sec());
+            },
+        ),
     );
     let run_started = Instant::now();
     let report = eval::evaluate(&model, tokens, &schemes, args.chunk, &mut |done| {

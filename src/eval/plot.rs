@@ -52,7 +52,7 @@ fn plot_error<E: std::error::Error + Send + Sync + 'static>(
     }
 }
 
-/// The smallest power-of-ten range holding every positive value.
+/// A power-of-ten range holding every positive value with some room.
 fn log_range(values: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
     let (lo, hi) = values
         .filter(|v| *v > 0.0 && v.is_finite())
@@ -62,8 +62,9 @@ fn log_range(values: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
     if !lo.is_finite() {
         return 1e-4..1.0;
     }
-    let lo = 10f64.powf(lo.log10().floor());
-    let hi = 10f64.powf(hi.log10().ceil()).max(lo * 10.0);
+    // A quarter decade of room at either end, so no point sits on the frame.
+    let lo = 10f64.powf((lo.log10() - 0.25).floor());
+    let hi = 10f64.powf((hi.log10() + 0.25).ceil());
     lo..hi
 }
 
