@@ -134,7 +134,7 @@ impl KvCache {
     pub fn new(config: CacheConfig) -> Result<KvCache> {
         let mut cache = KvCache::metadata(config)?;
         for layer in &mut cache.layers {
-            alloc_host_bytes(layer, cache.seq_bytes, cache.page_bytes);
+            alloc_host_bytes(layer, cache.seq_bytes, cache.page_bytes)?;
         }
         Ok(cache)
     }
@@ -157,9 +157,31 @@ impl KvCache {
         let scheme = config.scheme;
         let d = config.head_dim;
         let layout = scheme.head_layout(d);
-        let page_bytes = config.kv_heads * layout.bytes;
         let sinks = scheme.sinks.min(config.capacity);
         let pages_per_seq = (config.capacity - sinks).div_ceil(scheme.group_tokens);
+        // The whole cache, counted in u128 first: a size no allocator can give is refused here
+        // rather than wrapping around in the usize arithmetic below.
+        let residual_rows = [scheme.k, scheme.v]
+            .iter()
+            .filter(|f| f.is_grouped_by_tokens() && pages_per_seq > 0)
+            .count()
+            * scheme.group_tokens;
+        let total = [
+            config.kv_heads,
+            pages_per_seq * layout.bytes + (2 * sinks + residual_rows) * d * 2,
+            config.sequences,
+            config.layers,
+        ]
+        .iter()
+        .try_fold(1u128, |acc, &x| acc.checked_mul(x as u128))
+        .unwrap_or(u128::MAX);
+        if total > isize::MAX as u128 {
+            return Err(Error::OutOfMemory {
+                bytes: total,
+                backend: "any",
+            });
+        }
+        let page_bytes = config.kv_heads * layout.bytes;
         let total_pages = pages_per_seq * config.sequences;
         let f16_block = |tokens: usize| config.kv_heads * tokens * d * 2;
         let residual = |f: Format| {
@@ -174,6 +196,7 @@ impl KvCache {
             sinks: f16_block(sinks),
             residual: [residual(scheme.k), residual(scheme.v)],
         };
+
         let seq = SeqState {
             len: 0,
             pages: Vec::with_capacity(pages_per_seq),
@@ -230,7 +253,7 @@ impl KvCache {
         };
         let mut layers = self.layers.clone();
         for (l, layer) in layers.iter_mut().enumerate() {
-            alloc_host_bytes(layer, self.seq_bytes, self.page_bytes);
+            alloc_host_bytes(layer, self.seq_bytes, self.page_bytes)?;
             store.download_layer(l, &mut layer.pool, &mut layer.seqs)?;
         }
         Ok(layers)
@@ -846,12 +869,36 @@ impl KvCache {
 
 /// Gives a layer's metadata its host bytes, zeroed: the pool and each sequence's sinks and
 /// residual windows.
-fn alloc_host_bytes(layer: &mut Layer, sizes: SeqBytes, page_bytes: usize) {
-    layer.pool = vec![0u8; sizes.pages * layer.seqs.len() * page_bytes];
+fn alloc_host_bytes(layer: &mut Layer, sizes: SeqBytes, page_bytes: usize) -> Result<()> {
+    layer.pool = zeroed_bytes(sizes.pages * layer.seqs.len() * page_bytes)?;
     for s in &mut layer.seqs {
-        s.sinks = [vec![0u8; sizes.sinks], vec![0u8; sizes.sinks]];
-        s.residual = sizes.residual.map(|bytes| vec![0u8; bytes]);
+        s.sinks = [zeroed_bytes(sizes.sinks)?, zeroed_bytes(sizes.sinks)?];
+        s.residual = [
+            zeroed_bytes(sizes.residual[0])?,
+            zeroed_bytes(sizes.residual[1])?,
+        ];
     }
+    Ok(())
+}
+
+/// `n` zeroed bytes, or [`Error::OutOfMemory`] where `vec![0; n]` would abort the process.
+fn zeroed_bytes(n: usize) -> Result<Vec<u8>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let oom = Error::OutOfMemory {
+        bytes: n as u128,
+        backend: "cpu",
+    };
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| oom.clone())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom);
+    }
+    // SAFETY: `ptr` is a global-allocator allocation of exactly `n` bytes with u8's layout,
+    // all initialized (zeroed); the Vec takes ownership of it.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
 /// Drops a layer's host bytes, keeping its metadata.

@@ -233,3 +233,29 @@ fn timed_attention_reports_device_time_only() {
         assert_rows_close(out, &outs[0], 64, 1e-5, "timed attention");
     }
 }
+
+/// A cache larger than memory is `OutOfMemory` on every backend, not an abort; one larger than
+/// the address space is refused before any arithmetic can wrap.
+#[test]
+fn a_cache_too_large_is_out_of_memory_not_an_abort() {
+    // 2^20 sequences × 2^20 tokens × 8 KV heads × 512 bytes: 4 PiB of f16.
+    let mut huge = config("f16", 8, 4, 128, 1 << 20);
+    huge.sequences = 1 << 20;
+    let want = (1u128 << 40) * 8 * 512;
+    for backend in [Backend::Cpu].into_iter().chain(device_backends()) {
+        match KvCache::with_backend(huge, backend) {
+            Err(Error::OutOfMemory { bytes, .. }) => assert!(bytes >= want / 2, "{bytes}"),
+            Err(Error::Hip(e)) if backend == Backend::Hip => {
+                assert_eq!(e.name, "hipErrorOutOfMemory", "{e}")
+            }
+            other => panic!("{backend:?}: expected OutOfMemory, got {other:?}"),
+        }
+    }
+    let mut absurd = huge;
+    absurd.layers = usize::MAX / 2;
+    let err = KvCache::new(absurd).unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfMemory { backend: "any", .. }),
+        "{err}"
+    );
+}

@@ -63,11 +63,14 @@ unsafe impl Sync for HostAlloc {}
 
 impl HostAlloc {
     fn new(bytes: usize) -> Result<HostAlloc> {
-        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
-            .map_err(|_| Error::Unsupported(format!("an allocation of {bytes} bytes")))?;
+        let layout =
+            Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| Error::OutOfMemory {
+                bytes: bytes as u128,
+                backend: "emu",
+            })?;
         // SAFETY: the layout has a non-zero size.
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(Error::OutOfMemory {
-            bytes,
+            bytes: bytes as u128,
             backend: "emu",
         })?;
         Ok(HostAlloc { ptr, layout })
