@@ -151,9 +151,11 @@ impl KvCache {
         Ok(cache)
     }
 
-    /// A cache with its metadata and no bytes.
-    fn metadata(config: CacheConfig) -> Result<KvCache> {
+    /// A cache with its metadata and no bytes. Sinks beyond the capacity are clamped to it
+    /// (every token is then a sink), so that every sink row of every head has its place.
+    fn metadata(mut config: CacheConfig) -> Result<KvCache> {
         config.validate()?;
+        config.scheme.sinks = config.scheme.sinks.min(config.capacity);
         let scheme = config.scheme;
         let d = config.head_dim;
         let layout = scheme.head_layout(d);
@@ -274,6 +276,7 @@ impl KvCache {
         })
     }
 
+    /// The configuration, with `scheme.sinks` clamped to `capacity`.
     pub fn config(&self) -> &CacheConfig {
         &self.config
     }

@@ -259,3 +259,32 @@ fn a_cache_too_large_is_out_of_memory_not_an_abort() {
         "{err}"
     );
 }
+
+/// More sinks than tokens: every token is a sink, and every head's sink rows have their place
+/// (the rows are laid out per head, so an unclamped count would put the second head's beyond
+/// its buffer).
+#[test]
+fn more_sinks_than_capacity_keeps_every_head() {
+    for backend in [Backend::Cpu].into_iter().chain(device_backends()) {
+        let cfg = config("kivi4,sinks=40", 3, 2, 64, 24);
+        let mut rng = Rng::new(8);
+        let mut cache = KvCache::with_backend(cfg, backend).unwrap();
+        assert_eq!(cache.config().scheme.sinks, 24);
+        let (k, v) = tokens(&cfg, 24, &mut rng);
+        cache.append(0, 0, &k, &v).unwrap();
+        let (back_k, _) = cache.read_back(0, 0).unwrap();
+        let f16 = |x: &[f32]| -> Vec<f32> {
+            x.iter().map(|&e| half::f16::from_f32(e).to_f32()).collect()
+        };
+        assert_eq!(
+            back_k,
+            f16(&k),
+            "{backend:?}: sinks are stored exactly in f16"
+        );
+        let q = rng.normals(cfg.q_heads * cfg.head_dim);
+        let mut out = vec![0f32; q.len()];
+        cache.attend(0, 0, &q, 0.125, &mut out).unwrap();
+        let want = naive_attend(&cache, 0, &q, 0.125);
+        assert_rows_close(&out, &want, 64, 1e-5, &format!("{backend:?} all sinks"));
+    }
+}
