@@ -1,10 +1,12 @@
 //! Store a 1000-token prompt's keys and values in a few schemes, attend with one decode query,
-//! and compare each scheme's memory and output with the f16 cache's.
+//! and compare each scheme's memory and output with the f16 cache's, on the best backend this
+//! machine has: the GPU when one is usable, else the CPU (`HIPKV_BACKEND=cpu|emu|hip` forces
+//! one).
 //!
 //! `cargo run --release --example basic`
 
 use hipkv::synth::{Rng, keys_with_outlier_channels};
-use hipkv::{CacheConfig, KvCache, Scheme};
+use hipkv::{Backend, CacheConfig, KvCache, Scheme};
 
 const KV_HEADS: usize = 4;
 const Q_HEADS: usize = 16;
@@ -12,8 +14,14 @@ const HEAD_DIM: usize = 128;
 const TOKENS: usize = 1000;
 
 /// Attention output for query `q` over a cache holding `k`, `v`, and the bytes it allocated.
-fn attend(scheme: Scheme, k: &[f32], v: &[f32], q: &[f32]) -> hipkv::Result<(Vec<f32>, usize)> {
-    let mut cache = KvCache::new(CacheConfig {
+fn attend(
+    backend: Backend,
+    scheme: Scheme,
+    k: &[f32],
+    v: &[f32],
+    q: &[f32],
+) -> hipkv::Result<(Vec<f32>, usize)> {
+    let config = CacheConfig {
         layers: 1,
         sequences: 1,
         kv_heads: KV_HEADS,
@@ -22,7 +30,8 @@ fn attend(scheme: Scheme, k: &[f32], v: &[f32], q: &[f32]) -> hipkv::Result<(Vec
         capacity: TOKENS,
         scheme,
         rope: None,
-    })?;
+    };
+    let mut cache = KvCache::with_backend(config, backend)?;
     if scheme.outliers.is_some() {
         // Thresholds come from sample keys; here the prompt itself.
         cache.calibrate_outliers(0, k, v, 0)?;
@@ -44,11 +53,16 @@ fn main() -> hipkv::Result<()> {
     let v = rng.normals(TOKENS * KV_HEADS * HEAD_DIM);
     let q = rng.normals(Q_HEADS * HEAD_DIM);
 
-    let (want, f16_bytes) = attend("f16".parse()?, &k, &v, &q)?;
+    let (backend, not_gpu) = Backend::from_env()?;
+    let (want, f16_bytes) = attend(backend, "f16".parse()?, &k, &v, &q)?;
     println!(
         "{TOKENS} tokens, {KV_HEADS} KV heads, {Q_HEADS} query heads, head_dim {HEAD_DIM}: \
-         one decode step"
+         one decode step on the {} backend",
+        backend.name()
     );
+    if let Some(why) = not_gpu {
+        println!("(not on a GPU: {why})");
+    }
     println!(
         "{:<16} {:>10} {:>8}  output error vs f16 (relative RMS)",
         "scheme", "KiB", "vs f16"
@@ -62,7 +76,7 @@ fn main() -> hipkv::Result<()> {
         "kivi2",
         "kivi2,outliers",
     ] {
-        let (got, bytes) = attend(name.parse()?, &k, &v, &q)?;
+        let (got, bytes) = attend(backend, name.parse()?, &k, &v, &q)?;
         let err = rms(got.iter().zip(&want).map(|(g, w)| g - w)) / rms(want.iter().copied());
         println!(
             "{name:<16} {:>10.1} {:>7.2}×  {:.2}%",

@@ -8,8 +8,10 @@
 
 use half::f16;
 
-use crate::backend::{AppendTarget, Backend, cpu, emu_append};
+use crate::backend::device::{DeviceStore, Gpu, SeqBytes};
+use crate::backend::{Backend, cpu};
 use crate::error::{Error, Result};
+use crate::hip::Device;
 use crate::quant::{self, OutlierThresholds, put_f16};
 use crate::rope::{Rope, RopeTable};
 use crate::scheme::{
@@ -92,6 +94,9 @@ struct LayerOutliers {
     v: Option<OutlierThresholds>,
 }
 
+/// One layer: its host metadata (free pages, sequences' lengths and block tables, outlier
+/// thresholds) and, on the CPU backend, its bytes (pool, sinks, residual windows; empty when
+/// the bytes live on a device).
 #[derive(Clone, Debug)]
 struct Layer {
     pool: Vec<u8>,
@@ -100,16 +105,20 @@ struct Layer {
     outliers: Option<LayerOutliers>,
 }
 
-/// A quantized KV cache on the CPU.
-#[derive(Clone, Debug)]
+/// A quantized KV cache, in host memory (the CPU backend) or device memory (`Hip`, and `Emu`
+/// which runs the device path on host memory).
+#[derive(Debug)]
 pub struct KvCache {
     config: CacheConfig,
     layout: HeadLayout,
     page_bytes: usize,
+    seq_bytes: SeqBytes,
     layers: Vec<Layer>,
     rope: Option<RopeTable>,
     outliers_dropped: u64,
     backend: Backend,
+    /// The bytes, when the backend is a device.
+    device: Option<DeviceStore>,
 }
 
 fn stream_index(stream: Stream) -> usize {
@@ -120,32 +129,84 @@ fn stream_index(stream: Stream) -> usize {
 }
 
 impl KvCache {
-    /// Allocates a cache: every page each sequence may need, sinks and residual windows.
+    /// Allocates a cache on the CPU: every page each sequence may need, sinks and residual
+    /// windows.
     pub fn new(config: CacheConfig) -> Result<KvCache> {
+        let mut cache = KvCache::metadata(config)?;
+        for layer in &mut cache.layers {
+            alloc_host_bytes(layer, cache.seq_bytes, cache.page_bytes)?;
+        }
+        Ok(cache)
+    }
+
+    /// Allocates a cache on `backend`: for `Hip` and `Emu`, in device memory (zeroed), with
+    /// nothing of it in host memory but the block tables.
+    pub fn with_backend(config: CacheConfig, backend: Backend) -> Result<KvCache> {
+        if backend == Backend::Cpu {
+            return KvCache::new(config);
+        }
+        let mut cache = KvCache::metadata(config)?;
+        cache.device = Some(cache.new_store(backend)?);
+        cache.backend = backend;
+        Ok(cache)
+    }
+
+    /// A cache with its metadata and no bytes. Sinks beyond the capacity are clamped to it
+    /// (every token is then a sink), so that every sink row of every head has its place.
+    fn metadata(mut config: CacheConfig) -> Result<KvCache> {
         config.validate()?;
+        config.scheme.sinks = config.scheme.sinks.min(config.capacity);
         let scheme = config.scheme;
         let d = config.head_dim;
         let layout = scheme.head_layout(d);
-        let page_bytes = config.kv_heads * layout.bytes;
         let sinks = scheme.sinks.min(config.capacity);
         let pages_per_seq = (config.capacity - sinks).div_ceil(scheme.group_tokens);
+        // The whole cache, counted in u128 first: a size no allocator can give is refused here
+        // rather than wrapping around in the usize arithmetic below.
+        let residual_rows = [scheme.k, scheme.v]
+            .iter()
+            .filter(|f| f.is_grouped_by_tokens() && pages_per_seq > 0)
+            .count()
+            * scheme.group_tokens;
+        let total = [
+            config.kv_heads,
+            pages_per_seq * layout.bytes + (2 * sinks + residual_rows) * d * 2,
+            config.sequences,
+            config.layers,
+        ]
+        .iter()
+        .try_fold(1u128, |acc, &x| acc.checked_mul(x as u128))
+        .unwrap_or(u128::MAX);
+        if total > isize::MAX as u128 {
+            return Err(Error::OutOfMemory {
+                bytes: total,
+                backend: "any",
+            });
+        }
+        let page_bytes = config.kv_heads * layout.bytes;
         let total_pages = pages_per_seq * config.sequences;
         let f16_block = |tokens: usize| config.kv_heads * tokens * d * 2;
         let residual = |f: Format| {
             if f.is_grouped_by_tokens() && pages_per_seq > 0 {
-                vec![0u8; f16_block(scheme.group_tokens)]
+                f16_block(scheme.group_tokens)
             } else {
-                Vec::new()
+                0
             }
         };
+        let seq_bytes = SeqBytes {
+            pages: pages_per_seq,
+            sinks: f16_block(sinks),
+            residual: [residual(scheme.k), residual(scheme.v)],
+        };
+
         let seq = SeqState {
             len: 0,
             pages: Vec::with_capacity(pages_per_seq),
-            sinks: [vec![0u8; f16_block(sinks)], vec![0u8; f16_block(sinks)]],
-            residual: [residual(scheme.k), residual(scheme.v)],
+            sinks: Default::default(),
+            residual: Default::default(),
         };
         let layer = Layer {
-            pool: vec![0u8; total_pages * page_bytes],
+            pool: Vec::new(),
             free: (0..total_pages as u32).rev().collect(),
             seqs: vec![seq; config.sequences],
             outliers: None,
@@ -156,11 +217,66 @@ impl KvCache {
             config,
             layout,
             page_bytes,
+            seq_bytes,
             outliers_dropped: 0,
             backend: Backend::Cpu,
+            device: None,
         })
     }
 
+    /// An empty device store for this cache on `backend`, with the outlier thresholds set so
+    /// far.
+    fn new_store(&self, backend: Backend) -> Result<DeviceStore> {
+        let gpu = Gpu::open(backend, self.config.head_dim)?;
+        let mut store = DeviceStore::new(
+            gpu,
+            self.config,
+            self.layout,
+            self.page_bytes,
+            self.seq_bytes,
+            self.rope.as_ref(),
+        )?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            if let Some(o) = &layer.outliers {
+                store.set_thresholds(l, 0, &o.k)?;
+                if let Some(v) = &o.v {
+                    store.set_thresholds(l, 1, v)?;
+                }
+            }
+        }
+        Ok(store)
+    }
+
+    /// Every layer with its bytes in host memory: a copy of the CPU cache's, or downloaded from
+    /// the device.
+    fn host_layers(&self) -> Result<Vec<Layer>> {
+        let Some(store) = &self.device else {
+            return Ok(self.layers.clone());
+        };
+        let mut layers = self.layers.clone();
+        for (l, layer) in layers.iter_mut().enumerate() {
+            alloc_host_bytes(layer, self.seq_bytes, self.page_bytes)?;
+            store.download_layer(l, &mut layer.pool, &mut layer.seqs)?;
+        }
+        Ok(layers)
+    }
+
+    /// A copy of this cache on the CPU backend, its bytes downloaded from the device.
+    fn host_copy(&self) -> Result<KvCache> {
+        Ok(KvCache {
+            config: self.config,
+            layout: self.layout,
+            page_bytes: self.page_bytes,
+            seq_bytes: self.seq_bytes,
+            layers: self.host_layers()?,
+            rope: self.rope.clone(),
+            outliers_dropped: self.outliers_dropped,
+            backend: Backend::Cpu,
+            device: None,
+        })
+    }
+
+    /// The configuration, with `scheme.sinks` clamped to `capacity`.
     pub fn config(&self) -> &CacheConfig {
         &self.config
     }
@@ -176,8 +292,12 @@ impl KvCache {
         Ok(self.layers[layer].seqs[seq].len)
     }
 
-    /// Bytes the cache allocated for K and V storage (pages, sinks, residual windows).
+    /// Bytes the cache allocated for K and V storage (pages, sinks, residual windows), in host
+    /// or device memory.
     pub fn allocated_bytes(&self) -> usize {
+        if let Some(store) = &self.device {
+            return store.allocated_bytes();
+        }
         self.layers
             .iter()
             .map(|l| {
@@ -263,6 +383,12 @@ impl KvCache {
                 self.config.scheme,
                 if o.values { "needs" } else { "takes no" }
             )));
+        }
+        if let Some(store) = &mut self.device {
+            store.set_thresholds(layer, 0, &k)?;
+            if let Some(v) = &v {
+                store.set_thresholds(layer, 1, v)?;
+            }
         }
         self.layers[layer].outliers = Some(LayerOutliers { k, v });
         Ok(())
@@ -399,22 +525,20 @@ impl KvCache {
                 }
                 Ok(())
             }
-            Backend::Emu => self.append_emu(layer, seq, &quant::f16_bits(&k), &quant::f16_bits(v)),
+            Backend::Emu | Backend::Hip => {
+                self.append_device(layer, seq, &quant::f16_bits(&k), &quant::f16_bits(v))
+            }
         }
     }
 
     /// Stores validated tokens (f16 bits, `n × kv_heads × head_dim` per stream) with the
-    /// emulated append kernels. On an error the sequence is left as it was: the kernels write
-    /// only past its end, and the pages taken for the new tokens go back to the pool.
-    fn append_emu(&mut self, layer: usize, seq: usize, k: &[u16], v: &[u16]) -> Result<()> {
+    /// append kernels on the device. On an error the sequence is left as it was: the kernels
+    /// write only past its end, and the pages taken for the new tokens go back to the pool.
+    fn append_device(&mut self, layer: usize, seq: usize, k: &[u16], v: &[u16]) -> Result<()> {
         let n = k.len() / (self.config.kv_heads * self.config.head_dim);
         let (sinks, g) = (self.config.scheme.sinks, self.config.scheme.group_tokens);
-        let Layer {
-            pool,
-            free,
-            seqs,
-            outliers,
-        } = &mut self.layers[layer];
+        let store = self.device.as_ref().expect("a device backend has a store");
+        let Layer { free, seqs, .. } = &mut self.layers[layer];
         let s = &mut seqs[seq];
         let first_pos = s.len;
         let pages_before = s.pages.len();
@@ -426,18 +550,7 @@ impl KvCache {
                 s.pages.push(page);
             }
         }
-        let thresholds = [
-            outliers.as_ref().map(|o| &o.k),
-            outliers.as_ref().and_then(|o| o.v.as_ref()),
-        ];
-        let target = AppendTarget {
-            config: &self.config,
-            layout: &self.layout,
-            page_bytes: self.page_bytes,
-            pool,
-            seq: &mut *s,
-        };
-        match emu_append(target, thresholds, k, v, first_pos) {
+        match store.append(layer, seq, s, pages_before, k, v) {
             Ok(dropped) => {
                 s.len += n;
                 self.outliers_dropped += dropped;
@@ -554,13 +667,37 @@ impl KvCache {
     }
 
     /// Attends several sequences' query chunks of one layer at once, spreading (sequence,
-    /// KV head, split) work items over all cores.
+    /// KV head, split) work items over all cores (or over the GPU's compute units).
     pub fn attend_many(
         &self,
         layer: usize,
         queries: &mut [Query<'_>],
         softmax_scale: f32,
     ) -> Result<()> {
+        self.attend_inner(layer, queries, softmax_scale, false)
+            .map(drop)
+    }
+
+    /// [`attend_many`](Self::attend_many), timing the device's work: the seconds from just
+    /// before the attention kernel to just after the combine kernel (device events on a GPU,
+    /// the wall clock of the emulated launches on `Emu`), without the query upload and output
+    /// download. `None` on the CPU backend, where the call itself is the work.
+    pub fn attend_many_timed(
+        &self,
+        layer: usize,
+        queries: &mut [Query<'_>],
+        softmax_scale: f32,
+    ) -> Result<Option<f64>> {
+        self.attend_inner(layer, queries, softmax_scale, true)
+    }
+
+    fn attend_inner(
+        &self,
+        layer: usize,
+        queries: &mut [Query<'_>],
+        softmax_scale: f32,
+        timed: bool,
+    ) -> Result<Option<f64>> {
         let cfg = &self.config;
         let width = cfg.q_heads * cfg.head_dim;
         for query in queries.iter() {
@@ -602,20 +739,55 @@ impl KvCache {
             return Err(Error::BadSoftmaxScale(softmax_scale));
         }
         let lay = &self.layers[layer];
-        let view = self.view(layer);
-        let seqs: Vec<&SeqState> = queries.iter().map(|q| &lay.seqs[q.seq]).collect();
-        match self.backend {
-            Backend::Cpu => {
-                cpu::attend(&view, &seqs, queries, softmax_scale);
-                Ok(())
+        match &self.device {
+            None => {
+                let seqs: Vec<&SeqState> = queries.iter().map(|q| &lay.seqs[q.seq]).collect();
+                cpu::attend(&self.view(layer), &seqs, queries, softmax_scale);
+                Ok(None)
             }
-            Backend::Emu => crate::backend::emu_attend(&view, &seqs, queries, softmax_scale),
+            Some(store) => {
+                let seqs: Vec<(usize, &SeqState)> =
+                    queries.iter().map(|q| (q.seq, &lay.seqs[q.seq])).collect();
+                store.attend(
+                    layer,
+                    self.rope.as_ref(),
+                    &seqs,
+                    queries,
+                    softmax_scale,
+                    timed,
+                )
+            }
         }
     }
 
-    /// Runs appends and attention on `backend` from now on (the CPU by default).
-    pub fn set_backend(&mut self, backend: Backend) {
+    /// Moves the cache to `backend`: its bytes are copied to the device (or back) and appends
+    /// and attention run there from now on. On an error (no such device, out of memory) the
+    /// cache stays where it was.
+    pub fn set_backend(&mut self, backend: Backend) -> Result<()> {
+        if backend == self.backend {
+            return Ok(());
+        }
+        let mut layers = self.host_layers()?;
+        let store = match backend {
+            Backend::Cpu => None,
+            _ => {
+                let store = self.new_store(backend)?;
+                for (l, layer) in layers.iter_mut().enumerate() {
+                    store.upload_layer(l, &layer.pool, &layer.seqs)?;
+                    free_host_bytes(layer);
+                }
+                Some(store)
+            }
+        };
+        self.layers = layers;
+        self.device = store;
         self.backend = backend;
+        Ok(())
+    }
+
+    /// The GPU the cache lives on (`Backend::Hip`).
+    pub fn device(&self) -> Option<&Device> {
+        self.device.as_ref().and_then(DeviceStore::device)
     }
 
     /// The backend attention runs on.
@@ -639,6 +811,9 @@ impl KvCache {
     /// measurements; attention itself never makes this copy.
     pub fn read_back(&self, layer: usize, seq: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_layer_seq(layer, seq)?;
+        if self.device.is_some() {
+            return self.host_copy()?.read_back(layer, seq);
+        }
         let cfg = &self.config;
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let lay = &self.layers[layer];
@@ -668,6 +843,9 @@ impl KvCache {
     /// the same bytes, whichever pages they were given: tests compare backends with it.
     pub fn stored_bytes(&self, layer: usize, seq: usize) -> Result<Vec<u8>> {
         self.check_layer_seq(layer, seq)?;
+        if self.device.is_some() {
+            return self.host_copy()?.stored_bytes(layer, seq);
+        }
         let (h, row) = (self.config.kv_heads, self.config.head_dim * 2);
         let (sinks, g) = (self.config.scheme.sinks, self.config.scheme.group_tokens);
         let lay = &self.layers[layer];
@@ -689,6 +867,49 @@ impl KvCache {
             }
         }
         Ok(out)
+    }
+}
+
+/// Gives a layer's metadata its host bytes, zeroed: the pool and each sequence's sinks and
+/// residual windows.
+fn alloc_host_bytes(layer: &mut Layer, sizes: SeqBytes, page_bytes: usize) -> Result<()> {
+    layer.pool = zeroed_bytes(sizes.pages * layer.seqs.len() * page_bytes)?;
+    for s in &mut layer.seqs {
+        s.sinks = [zeroed_bytes(sizes.sinks)?, zeroed_bytes(sizes.sinks)?];
+        s.residual = [
+            zeroed_bytes(sizes.residual[0])?,
+            zeroed_bytes(sizes.residual[1])?,
+        ];
+    }
+    Ok(())
+}
+
+/// `n` zeroed bytes, or [`Error::OutOfMemory`] where `vec![0; n]` would abort the process.
+fn zeroed_bytes(n: usize) -> Result<Vec<u8>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let oom = Error::OutOfMemory {
+        bytes: n as u128,
+        backend: "cpu",
+    };
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| oom.clone())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom);
+    }
+    // SAFETY: `ptr` is a global-allocator allocation of exactly `n` bytes with u8's layout,
+    // all initialized (zeroed); the Vec takes ownership of it.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+/// Drops a layer's host bytes, keeping its metadata.
+fn free_host_bytes(layer: &mut Layer) {
+    layer.pool = Vec::new();
+    for s in &mut layer.seqs {
+        s.sinks = Default::default();
+        s.residual = Default::default();
     }
 }
 

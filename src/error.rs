@@ -73,6 +73,8 @@ pub enum Error {
     OutliersNotCalibrated { layer: usize },
     #[error("kernel {kernel} failed in the emulator: {message}")]
     Emulator { kernel: String, message: String },
+    #[error("out of memory: {bytes} bytes asked of the {backend} backend")]
+    OutOfMemory { bytes: u128, backend: &'static str },
     #[error(transparent)]
     HipUnavailable(#[from] crate::hip::LoadError),
     #[error(

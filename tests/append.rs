@@ -51,7 +51,7 @@ fn check(cfg: CacheConfig, outlier_sample_scale: Option<f32>, seed: u64) {
     let data = [tokens(&cfg, total, &mut rng), tokens(&cfg, total, &mut rng)];
     let mut cpu = KvCache::new(cfg).unwrap();
     let mut emu = KvCache::new(cfg).unwrap();
-    emu.set_backend(Backend::Emu);
+    emu.set_backend(Backend::Emu).unwrap();
     if let Some(scale) = outlier_sample_scale {
         // Thresholds from shrunken samples put many elements outside them: the slots overflow.
         let (k, v) = &data[0];

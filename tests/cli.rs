@@ -1,5 +1,5 @@
-//! The `hipkv` binary: `info` output and clean failures on bad flags (no timing here; `bench` is
-//! only run with flags it rejects before measuring anything).
+//! The `hipkv` binary: `info` output, clean failures on bad flags, and `bench` on the emulated
+//! device path (a tiny run whose figures are not checked: no timing here, only its shape).
 
 use std::process::{Command, Output};
 
@@ -145,6 +145,52 @@ fn a_forced_backend_that_cannot_run_is_an_error() {
         let err = String::from_utf8(out.stderr).unwrap();
         assert_eq!(out.status.code(), Some(1), "{value}: {err}");
         assert!(err.contains(message), "{value}: {err}");
+    }
+}
+
+/// `bench` on the emu backend runs the GPU bench's path (device-resident caches, kernel-timed
+/// steps) and reports it as such, with no CPU memcpy baseline and no GPU peak.
+#[test]
+fn bench_runs_the_device_path_on_the_emulator() {
+    let out = hipkv_with(
+        &[
+            "bench",
+            "--json",
+            "--schemes",
+            "q8;kivi2,outliers",
+            "--contexts",
+            "96",
+            "--kv-heads",
+            "2",
+            "--min-time",
+            "0",
+        ],
+        &[("HIPKV_BACKEND", "emu")],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["backend"], "emu");
+    assert_eq!(
+        report["timing"],
+        "wall clock of the emulated attention and combine kernels"
+    );
+    assert!(
+        report["memcpy"].is_null() && report["gpu"].is_null(),
+        "{report}"
+    );
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, scheme) in rows.iter().zip(["q8", "kivi2,outliers"]) {
+        assert_eq!(row["scheme"], scheme);
+        assert_eq!(row["context"], 96);
+        assert_eq!(row["sequences"], 2);
+        assert!(row["us_per_step"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["pct_of_memcpy"].is_null() && row["pct_of_peak"].is_null());
+        let scheme: hipkv::Scheme = scheme.parse().unwrap();
+        // 96 tokens: 3 full pages of 32, two KV heads.
+        let bytes = 2 * 3 * scheme.head_layout(128).bytes;
+        assert_eq!(row["bytes_per_step"], bytes, "{row}");
     }
 }
 

@@ -1,11 +1,12 @@
 //! The HIP runtime as this machine has it. CI installs Debian's `libamdhip64-5` on a machine
 //! without an AMD GPU and sets `HIPKV_REQUIRE_HIP=1`: there the runtime must open, report no
-//! device, and leave the CPU as the backend, saying so. Elsewhere the test checks whichever
-//! outcome the machine gives for consistency.
+//! device, and leave the CPU as the backend, saying so; a cache asked for on the GPU must be a
+//! typed error that loses nothing. Elsewhere the tests check whichever outcome the machine gives
+//! for consistency.
 
 use hipkv::backend::HipStatus;
 use hipkv::hip::{DeviceBuffer, Event, Module, Stream};
-use hipkv::{Backend, Error};
+use hipkv::{Backend, CacheConfig, Error, KvCache};
 
 fn required() -> bool {
     std::env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1")
@@ -15,8 +16,9 @@ fn required() -> bool {
 fn the_runtime_opens_finds_no_gpu_and_the_cpu_is_chosen() {
     let status = HipStatus::probe();
     let (backend, why) = Backend::best();
-    assert_eq!(backend, Backend::Cpu, "no HIP backend exists yet");
     assert_eq!(why, status.obstacle());
+    assert_eq!(backend == Backend::Hip, why.is_none(), "{why:?}");
+    assert_eq!(why.is_none(), status.usable_device().is_some(), "{why:?}");
     match &status.runtime {
         Err(Error::HipUnavailable(e)) if !required() => {
             eprintln!("skipped: no HIP runtime here ({e})");
@@ -31,6 +33,8 @@ fn the_runtime_opens_finds_no_gpu_and_the_cpu_is_chosen() {
                 assert!(found.devices.is_empty(), "CI has no GPU: {found:?}");
                 assert!(found.version_string().starts_with("5.2."), "{found:?}");
                 assert!(!status.built_archs.is_empty(), "CI builds the kernels");
+                assert_eq!(backend, Backend::Cpu);
+                let why = why.unwrap();
                 assert!(
                     why.starts_with("the HIP runtime 5.2.") && why.ends_with("found no GPU"),
                     "{why}"
@@ -78,6 +82,15 @@ fn device_resources_are_typed_errors_without_a_gpu() {
     let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
     let buf = DeviceBuffer::from_slice(&values).unwrap();
     assert_eq!(buf.to_vec().unwrap(), values);
+    buf.write_at(990, &[-1.0; 10]).unwrap();
+    let mut tail = [0f32; 12];
+    buf.read_at(988, &mut tail).unwrap();
+    assert_eq!(tail[..2], values[988..990]);
+    assert!(tail[2..].iter().all(|&x| x == -1.0), "{tail:?}");
+    assert!(matches!(
+        buf.write_at(995, &[0.0; 10]),
+        Err(Error::Shape { .. })
+    ));
     let err = DeviceBuffer::<f32>::from_slice(&values)
         .unwrap()
         .copy_from_host(&values[..10])
@@ -98,4 +111,50 @@ fn device_resources_are_typed_errors_without_a_gpu() {
         let module = Module::load(objects[0]).unwrap();
         assert!(module.function("hipkv_no_such_kernel").is_err());
     }
+}
+
+/// A cache asked for on the GPU where none is usable is a typed error naming why; a cache moved
+/// there keeps its tokens on the CPU and goes on working.
+#[test]
+fn a_gpu_cache_without_a_gpu_is_an_error_that_loses_nothing() {
+    let status = HipStatus::probe();
+    let Some(why) = status.obstacle() else {
+        eprintln!("skipped: this machine has a usable GPU (tests/device_cache.rs runs on it)");
+        return;
+    };
+    let cfg = CacheConfig {
+        layers: 1,
+        sequences: 1,
+        kv_heads: 2,
+        q_heads: 4,
+        head_dim: 64,
+        capacity: 64,
+        scheme: "kivi4".parse().unwrap(),
+        rope: None,
+    };
+    match KvCache::with_backend(cfg, Backend::Hip) {
+        Err(Error::BackendUnavailable { backend, why: got }) => {
+            assert_eq!(backend, "hip");
+            assert_eq!(got, why);
+        }
+        other => panic!("expected BackendUnavailable, got {other:?}"),
+    }
+    if required() {
+        assert!(why.ends_with("found no GPU"), "{why}");
+    }
+
+    let mut cache = KvCache::new(cfg).unwrap();
+    let x: Vec<f32> = (0..40 * 2 * 64)
+        .map(|i| (i % 17) as f32 * 0.1 - 0.8)
+        .collect();
+    cache.append(0, 0, &x, &x).unwrap();
+    let before = cache.stored_bytes(0, 0).unwrap();
+    assert!(matches!(
+        cache.set_backend(Backend::Hip),
+        Err(Error::BackendUnavailable { .. })
+    ));
+    assert_eq!(cache.backend(), Backend::Cpu);
+    assert_eq!(cache.stored_bytes(0, 0).unwrap(), before);
+    cache.append(0, 0, &x[..2 * 64], &x[..2 * 64]).unwrap();
+    assert_eq!(cache.len(0, 0).unwrap(), 41);
 }

@@ -29,7 +29,7 @@ fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
     let mut cache = KvCache::new(cfg).unwrap();
     // The append kernels store the tokens (tests/append.rs checks their bytes), then the
     // attention kernels read them: the device path end to end.
-    cache.set_backend(Backend::Emu);
+    cache.set_backend(Backend::Emu).unwrap();
     for (s, &len) in lens.iter().enumerate() {
         fill(&mut cache, s, len, 13, &mut rng);
     }

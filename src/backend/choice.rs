@@ -3,7 +3,7 @@
 
 use super::Backend;
 use crate::error::{Error, Result};
-use crate::hip::Devices;
+use crate::hip::{Device, Devices};
 use crate::kernels::{code_objects, gpu_build_skipped};
 
 /// The environment variable that forces a backend: `cpu`, `emu` or `hip`.
@@ -29,44 +29,53 @@ impl HipStatus {
         }
     }
 
-    /// Why the HIP backend cannot run here, the first obstacle found.
-    pub fn obstacle(&self) -> String {
-        if self.built_archs.is_empty() {
-            let why = gpu_build_skipped().unwrap_or("no code objects were embedded");
-            return format!("no GPU kernels in this build ({why})");
-        }
-        let found = match &self.runtime {
-            Err(e) => return e.to_string(),
-            Ok(found) => found,
-        };
-        match found
+    /// The GPU the HIP backend runs on: the first the runtime lists whose arch this build has
+    /// kernels for.
+    pub fn usable_device(&self) -> Option<&Device> {
+        self.runtime
+            .as_ref()
+            .ok()?
             .devices
             .iter()
             .find(|d| self.built_archs.contains(&d.arch.as_str()))
-        {
-            None if found.devices.is_empty() => format!(
+    }
+
+    /// Why the HIP backend cannot run here, the first obstacle found; `None` when it can.
+    pub fn obstacle(&self) -> Option<String> {
+        if self.built_archs.is_empty() {
+            let why = gpu_build_skipped().unwrap_or("no code objects were embedded");
+            return Some(format!("no GPU kernels in this build ({why})"));
+        }
+        let found = match &self.runtime {
+            Err(e) => return Some(e.to_string()),
+            Ok(found) => found,
+        };
+        if self.usable_device().is_some() {
+            return None;
+        }
+        Some(match found.devices.first() {
+            None => format!(
                 "the HIP runtime {} ({}) found no GPU",
                 found.version_string(),
                 found.library
             ),
-            None => Error::ArchNotBuilt {
-                device: found.devices[0].arch.clone(),
+            Some(d) => Error::ArchNotBuilt {
+                device: d.arch.clone(),
                 built: self.built_archs.iter().map(ToString::to_string).collect(),
             }
             .to_string(),
-            Some(d) => format!(
-                "found {} ({}), but the device-resident cache (Backend::Hip) is not written yet",
-                d.name, d.arch
-            ),
-        }
+        })
     }
 }
 
 impl Backend {
-    /// The best backend on this machine and, when it is not a GPU, why not. The HIP backend is
-    /// not written yet, so this is the CPU, with the first obstacle HIP would meet here.
-    pub fn best() -> (Backend, String) {
-        (Backend::Cpu, HipStatus::probe().obstacle())
+    /// The best backend on this machine: the GPU when one is usable, else the CPU with the
+    /// first obstacle the GPU met.
+    pub fn best() -> (Backend, Option<String>) {
+        match HipStatus::probe().obstacle() {
+            None => (Backend::Hip, None),
+            Some(why) => (Backend::Cpu, Some(why)),
+        }
     }
 
     /// The backend `HIPKV_BACKEND` names (`cpu`, `emu`, `hip`), or [`Backend::best`] when it
@@ -75,19 +84,28 @@ impl Backend {
     pub fn from_env() -> Result<(Backend, Option<String>)> {
         let forced = std::env::var(BACKEND_ENV).unwrap_or_default();
         match forced.trim() {
-            "" => {
-                let (backend, why) = Backend::best();
-                Ok((backend, Some(why)))
-            }
+            "" => Ok(Backend::best()),
             "cpu" => Ok((Backend::Cpu, None)),
             "emu" => Ok((Backend::Emu, None)),
-            "hip" => Err(Error::BackendUnavailable {
-                backend: "hip",
-                why: HipStatus::probe().obstacle(),
-            }),
+            "hip" => match HipStatus::probe().obstacle() {
+                None => Ok((Backend::Hip, None)),
+                Some(why) => Err(Error::BackendUnavailable {
+                    backend: "hip",
+                    why,
+                }),
+            },
             other => Err(Error::Unsupported(format!(
                 "{BACKEND_ENV}={other}: expected cpu, emu or hip"
             ))),
+        }
+    }
+
+    /// The name `HIPKV_BACKEND` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Emu => "emu",
+            Backend::Hip => "hip",
         }
     }
 }

@@ -3,12 +3,12 @@
 
 mod choice;
 pub(crate) mod cpu;
+pub(crate) mod device;
 mod emu;
 mod simd;
 mod split;
 
 pub use choice::{BACKEND_ENV, HipStatus};
-pub(crate) use emu::{AppendTarget, append as emu_append, attend as emu_attend};
 pub use split::{GFX1201_COMPUTE_UNITS, SplitPlan};
 
 /// The engine that runs a cache's attention.
@@ -17,10 +17,14 @@ pub enum Backend {
     /// Rust kernels on every core: the reference engine.
     #[default]
     Cpu,
-    /// The HIP kernels of `hip/` (append and attention), compiled for the host and run by the
-    /// SIMT emulator, through the launch path a GPU takes. Attention is decode only (one new
-    /// token per query); slow, for tests.
+    /// The device-resident cache of the `Hip` backend with host memory standing in for device
+    /// memory and the HIP kernels of `hip/` (append and attention) run by the SIMT emulator:
+    /// the GPU's code path up to the runtime calls. Attention is decode only (one new token per
+    /// query); slow, for tests.
     Emu,
+    /// The cache in GPU memory, the HIP kernels launched on a stream of the first GPU whose
+    /// arch this build has kernels for. Attention is decode only (one new token per query).
+    Hip,
 }
 
 /// The arithmetic the CPU backend runs on this machine: `"AVX2+FMA+F16C"` or `"portable"`

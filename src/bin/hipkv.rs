@@ -1,7 +1,7 @@
 //! `hipkv`: which backends this build can run and what each scheme stores (`info`), what each
 //! GPU kernel of this build uses (`info --kernels`), how fast decode attention reads each
-//! scheme's cache compared with memcpy (`bench`), and what each scheme costs in accuracy on a
-//! real model (`eval`).
+//! scheme's cache (`bench`), compared with memcpy on the CPU and with peak bandwidth on a GPU,
+//! and what each scheme costs in accuracy on a real model (`eval`).
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -13,14 +13,20 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use hipkv::backend::{BACKEND_ENV, HipStatus};
+use hipkv::backend::HipStatus;
 use hipkv::scheme::PRESETS;
 use hipkv::synth::{Rng, TokenPool};
-use hipkv::{Backend, CacheConfig, Format, KvCache, Rope, RopeLayout, Scheme, Stream};
+use hipkv::{Backend, CacheConfig, Format, KvCache, Query, Rope, RopeLayout, Scheme, Stream};
 
-/// Each bench row rotates over sequences holding more than this many bytes, four times the
-/// 32 MiB L3 of the development machines, so steps read DRAM rather than cache.
-const WORKING_SET: usize = 128 << 20;
+/// On the CPU each bench row rotates over sequences holding more than this many bytes, four
+/// times the 32 MiB L3 of the development machines, so steps read DRAM rather than cache.
+const CPU_WORKING_SET: usize = 128 << 20;
+/// On a GPU, four times the 64 MiB Infinity Cache of an RX 9070 XT.
+const GPU_WORKING_SET: usize = 256 << 20;
+const CPU_CONTEXTS: [usize; 4] = [1024, 4096, 16384, 32768];
+const GPU_CONTEXTS: [usize; 6] = [1024, 4096, 16384, 32768, 65536, 131072];
+/// The emulator runs the device path for correctness, thousands of times slower than a GPU.
+const EMU_CONTEXTS: [usize; 1] = [256];
 /// Tokens per `append` call while filling, as a prefill chunk would arrive.
 const CHUNK: usize = 512;
 /// Synthetic tokens generated once and appended cyclically.
@@ -46,7 +52,8 @@ struct Cli {
 enum Command {
     /// List the backends this build can run and the memory each scheme takes.
     Info(InfoArgs),
-    /// Time single-token decode attention per scheme and context, against memcpy bandwidth.
+    /// Time single-token decode attention per scheme and context on the best backend (or
+    /// HIPKV_BACKEND's), against memcpy bandwidth on the CPU and peak bandwidth on a GPU.
     Bench(BenchArgs),
     /// Run a real model (GGUF, CPU) with its KV cache in each scheme: KL against the f16 cache,
     /// top-1 agreement, ΔNLL, bytes per token, KL by context depth.
@@ -100,9 +107,10 @@ struct BenchArgs {
     /// Schemes separated by `;` (a scheme may contain commas) [default: every preset]
     #[arg(long)]
     schemes: Option<String>,
-    /// Context lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_value = "1024,4096,16384,32768")]
-    contexts: Vec<usize>,
+    /// Context lengths in tokens [default: 1024,4096,16384,32768 on the CPU, up to 131072 on
+    /// a GPU, 256 on the emulator]
+    #[arg(long, value_delimiter = ',')]
+    contexts: Option<Vec<usize>>,
     #[arg(long, default_value_t = 8)]
     kv_heads: usize,
     /// Query heads per KV head.
@@ -186,7 +194,13 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         rayon::current_num_threads()
     );
     let hip = HipStatus::probe();
-    println!("  hip  unavailable  {}", hip.obstacle());
+    match (hip.obstacle(), hip.usable_device()) {
+        (None, Some(dev)) => println!(
+            "  hip  available    {} ({}), device-resident cache (Backend::Hip)",
+            dev.name, dev.arch
+        ),
+        (why, _) => println!("  hip  unavailable  {}", why.unwrap_or_default()),
+    }
     match &hip.runtime {
         Ok(found) => {
             println!(
@@ -218,7 +232,7 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
     }
     println!(
         "  emu  available    the HIP kernels compiled for this CPU, run by the SIMT emulator \
-         (Backend::Emu; decode only, for tests)"
+         over the device-resident cache in host memory (Backend::Emu; decode only, for tests)"
     );
 
     let f16_bytes = Scheme::uniform(Format::F16).bytes_per_token(d);
@@ -320,6 +334,16 @@ struct Memcpy {
     read_gb_per_s: f64,
 }
 
+/// The GPU a bench ran on.
+#[derive(Serialize)]
+struct Gpu {
+    name: String,
+    arch: String,
+    compute_units: usize,
+    /// From the memory clock and bus width.
+    peak_gb_per_s: f64,
+}
+
 #[derive(Serialize)]
 struct Row {
     scheme: String,
@@ -327,7 +351,10 @@ struct Row {
     sequences: usize,
     us_per_step: f64,
     gb_per_s: f64,
-    pct_of_memcpy: f64,
+    /// CPU backend: of the memcpy bandwidth measured in the same run.
+    pct_of_memcpy: Option<f64>,
+    /// HIP backend: of the GPU's peak bandwidth.
+    pct_of_peak: Option<f64>,
     bytes_per_step: usize,
     speedup_vs_q8: Option<f64>,
     speedup_vs_f16: Option<f64>,
@@ -339,10 +366,25 @@ struct Report {
     backend: &'static str,
     /// Why the GPU was not used (`HIPKV_BACKEND` unset).
     hip_unavailable: Option<String>,
+    /// What a step's time is: the wall clock of `KvCache::attend` (CPU), or the device's time
+    /// from before the attention kernel to after the combine kernel.
+    timing: &'static str,
     cpu_kernels: &'static str,
+    gpu: Option<Gpu>,
     min_time_s: f64,
-    memcpy: Memcpy,
+    /// Each row rotates over sequences holding more than this.
+    working_set_bytes: usize,
+    /// CPU backend only.
+    memcpy: Option<Memcpy>,
     rows: Vec<Row>,
+}
+
+/// What one bench run measures against.
+struct Baseline<'a> {
+    backend: Backend,
+    memcpy: Option<&'a Memcpy>,
+    peak_gb_per_s: Option<f64>,
+    working_set: usize,
 }
 
 fn bench(args: &BenchArgs) -> Result<(), CliError> {
@@ -358,14 +400,14 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
     if schemes.is_empty() {
         return Err(CliError::Usage("--schemes names no scheme".into()));
     }
-    if args.contexts.contains(&0) {
-        return Err(CliError::Usage("contexts must be positive".into()));
-    }
     let (backend, hip_unavailable) = Backend::from_env()?;
-    if backend != Backend::Cpu {
-        return Err(CliError::Usage(format!(
-            "bench measures the cpu backend ({BACKEND_ENV}={backend:?} is for tests)"
-        )));
+    let contexts = args.contexts.clone().unwrap_or_else(|| match backend {
+        Backend::Cpu => CPU_CONTEXTS.to_vec(),
+        Backend::Hip => GPU_CONTEXTS.to_vec(),
+        Backend::Emu => EMU_CONTEXTS.to_vec(),
+    });
+    if contexts.contains(&0) {
+        return Err(CliError::Usage("contexts must be positive".into()));
     }
     let shape = Shape {
         kv_heads: args.kv_heads,
@@ -378,13 +420,40 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         KvCache::new(shape.config(s, 1, 1))?;
     }
 
-    let progress = ProgressBar::new((schemes.len() * args.contexts.len()) as u64).with_style(
+    let gpu = match backend {
+        Backend::Hip => {
+            // A one-token cache opens the GPU the bench will use.
+            let probe = KvCache::with_backend(shape.config(schemes[0], 1, 1), backend)?;
+            probe.device().map(|d| Gpu {
+                name: d.name.clone(),
+                arch: d.arch.clone(),
+                compute_units: d.compute_units,
+                peak_gb_per_s: d.peak_bandwidth_gbs(),
+            })
+        }
+        _ => None,
+    };
+
+    let progress = ProgressBar::new((schemes.len() * contexts.len()) as u64).with_style(
         ProgressStyle::with_template("{spinner} [{elapsed}] {bar:30} {pos}/{len} {msg}")
             .expect("constant template"),
     );
     progress.enable_steady_tick(Duration::from_millis(200));
-    progress.set_message("memcpy baseline");
-    let memcpy = measure_memcpy();
+    let memcpy = (backend == Backend::Cpu).then(|| {
+        progress.set_message("memcpy baseline");
+        measure_memcpy()
+    });
+    let baseline = Baseline {
+        backend,
+        memcpy: memcpy.as_ref(),
+        peak_gb_per_s: gpu.as_ref().map(|g| g.peak_gb_per_s),
+        working_set: match backend {
+            Backend::Cpu => CPU_WORKING_SET,
+            Backend::Hip => GPU_WORKING_SET,
+            // Two sequences: the rotation, not the figures, is what the emulator checks.
+            Backend::Emu => 0,
+        },
+    };
 
     let pool = TokenPool::new(
         &mut Rng::new(1),
@@ -393,7 +462,7 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         shape.head_dim,
     );
     let mut rows = Vec::new();
-    for &context in &args.contexts {
+    for &context in &contexts {
         let first = rows.len();
         for &scheme in &schemes {
             rows.push(bench_row(
@@ -402,7 +471,7 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
                 context,
                 args.min_time,
                 &pool,
-                &memcpy,
+                &baseline,
                 &progress,
             )?);
             progress.inc(1);
@@ -413,10 +482,17 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
 
     let report = Report {
         shape,
-        backend: "cpu",
+        backend: backend.name(),
         hip_unavailable,
+        timing: match backend {
+            Backend::Cpu => "wall clock of KvCache::attend",
+            Backend::Hip => "HIP events around the attention and combine kernels",
+            Backend::Emu => "wall clock of the emulated attention and combine kernels",
+        },
         cpu_kernels: hipkv::backend::cpu_kernels(),
+        gpu,
         min_time_s: args.min_time,
+        working_set_bytes: baseline.working_set,
         memcpy,
         rows,
     };
@@ -460,12 +536,13 @@ fn bench_row(
     context: usize,
     min_time: f64,
     pool: &TokenPool,
-    memcpy: &Memcpy,
+    baseline: &Baseline<'_>,
     progress: &ProgressBar,
 ) -> Result<Row, CliError> {
     let seq_bytes = shape.kv_heads * scheme.memory(shape.head_dim, context).total();
-    let sequences = WORKING_SET / seq_bytes.max(1) + 1;
-    let mut cache = KvCache::new(shape.config(scheme, sequences, context))?;
+    let sequences = (baseline.working_set / seq_bytes.max(1) + 1).max(2);
+    let mut cache =
+        KvCache::with_backend(shape.config(scheme, sequences, context), baseline.backend)?;
     if scheme.outliers.is_some() {
         let (k, v) = pool.first(context);
         cache.calibrate_outliers(0, k, v, 0)?;
@@ -483,18 +560,28 @@ fn bench_row(
     let q = Rng::new(2).normals(shape.q_heads * shape.head_dim);
     let mut out = vec![0f32; q.len()];
     let scale = 1.0 / (shape.head_dim as f32).sqrt();
-    // One untimed rotation: the first touch of each page and the thread pool's wake-up.
+    // One step: the CPU's wall clock, or the device's own time of its kernels.
+    let mut step = |seq: usize| -> Result<f64, CliError> {
+        let t = Instant::now();
+        let mut queries = [Query {
+            seq,
+            q: black_box(&q),
+            out: &mut out,
+        }];
+        let device_time = cache.attend_many_timed(0, &mut queries, scale)?;
+        let wall = t.elapsed().as_secs_f64();
+        black_box(&out);
+        Ok(device_time.unwrap_or(wall))
+    };
+    // One untimed rotation: the first touch of each page, the thread pool's (or the GPU's
+    // clocks') wake-up.
     for seq in 0..sequences {
-        cache.attend(0, seq, &q, scale, &mut out)?;
+        step(seq)?;
     }
     let mut steps = Vec::new();
     let start = Instant::now();
     while steps.len() < MIN_STEPS || start.elapsed().as_secs_f64() < min_time {
-        let seq = steps.len() % sequences;
-        let t = Instant::now();
-        cache.attend(0, seq, black_box(&q), scale, &mut out)?;
-        steps.push(t.elapsed().as_secs_f64());
-        black_box(&out);
+        steps.push(step(steps.len() % sequences)?);
     }
     steps.sort_by(f64::total_cmp);
     let median = steps[steps.len() / 2];
@@ -507,7 +594,8 @@ fn bench_row(
         sequences,
         us_per_step: median * 1e6,
         gb_per_s,
-        pct_of_memcpy: 100.0 * gb_per_s / memcpy.read_gb_per_s,
+        pct_of_memcpy: baseline.memcpy.map(|m| 100.0 * gb_per_s / m.read_gb_per_s),
+        pct_of_peak: baseline.peak_gb_per_s.map(|p| 100.0 * gb_per_s / p),
         bytes_per_step: bytes,
         speedup_vs_q8: None,
         speedup_vs_f16: None,
@@ -531,30 +619,44 @@ fn set_speedups(rows: &mut [Row]) {
 
 fn print_table(report: &Report) {
     let s = &report.shape;
-    let m = &report.memcpy;
-    println!(
-        "decode attention, CPU backend ({} kernels, {} threads), 1 query token per step",
-        report.cpu_kernels, m.threads
-    );
+    match (&report.memcpy, &report.gpu) {
+        (Some(m), _) => println!(
+            "decode attention, CPU backend ({} kernels, {} threads), 1 query token per step",
+            report.cpu_kernels, m.threads
+        ),
+        (None, Some(g)) => println!(
+            "decode attention, HIP backend on {} ({}, {} CUs, {:.0} GB/s peak), 1 query token \
+             per step, timed by {}",
+            g.name, g.arch, g.compute_units, g.peak_gb_per_s, report.timing
+        ),
+        (None, None) => println!(
+            "decode attention, {} backend (the device path on the SIMT emulator: a correctness \
+             run, its times are not a GPU's), 1 query token per step",
+            report.backend
+        ),
+    }
     if let Some(why) = &report.hip_unavailable {
         println!("not on a GPU: {why}");
     }
+    let rotation = match report.working_set_bytes {
+        0 => "2 sequences".to_string(),
+        bytes => format!("sequences holding > {} MiB", bytes >> 20),
+    };
     println!(
         "shape: {} KV heads × GQA {} ({} query heads) × head_dim {}; each row rotates over \
-         sequences holding > {} MiB",
-        s.kv_heads,
-        s.gqa,
-        s.q_heads,
-        s.head_dim,
-        WORKING_SET >> 20
+         {rotation}",
+        s.kv_heads, s.gqa, s.q_heads, s.head_dim,
     );
-    println!(
-        "memcpy: {:.1} GB/s read (as many bytes written), {} MiB, {} threads, best of {}\n",
-        m.read_gb_per_s,
-        m.bytes >> 20,
-        m.threads,
-        m.runs
-    );
+    if let Some(m) = &report.memcpy {
+        println!(
+            "memcpy: {:.1} GB/s read (as many bytes written), {} MiB, {} threads, best of {}",
+            m.read_gb_per_s,
+            m.bytes >> 20,
+            m.threads,
+            m.runs
+        );
+    }
+    println!();
     let w = report
         .rows
         .iter()
@@ -562,24 +664,33 @@ fn print_table(report: &Report) {
         .max()
         .unwrap_or(0)
         .max(6);
+    let share = if report.memcpy.is_some() {
+        "%memcpy"
+    } else {
+        "%peak"
+    };
     println!(
         "{:>7}  {:<w$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>6}  {:>6}",
-        "context", "scheme", "seqs", "MiB/step", "µs/step", "GB/s", "%memcpy", "vs q8", "vs f16"
+        "context", "scheme", "seqs", "MiB/step", "µs/step", "GB/s", share, "vs q8", "vs f16"
     );
     let speedup = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}×"));
     for (i, r) in report.rows.iter().enumerate() {
         if i > 0 && report.rows[i - 1].context != r.context {
             println!();
         }
+        let pct = r
+            .pct_of_memcpy
+            .or(r.pct_of_peak)
+            .map_or("-".to_string(), |p| format!("{p:.1}%"));
         println!(
-            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>7.1}%  {:>6}  {:>6}",
+            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>8}  {:>6}  {:>6}",
             r.context,
             r.scheme,
             r.sequences,
             r.bytes_per_step as f64 / (1 << 20) as f64,
             r.us_per_step,
             r.gb_per_s,
-            r.pct_of_memcpy,
+            pct,
             speedup(r.speedup_vs_q8),
             speedup(r.speedup_vs_f16),
         );

@@ -164,6 +164,15 @@ impl Runtime {
             .map(|()| usize::try_from(n).unwrap_or(0))
     }
 
+    /// `hipSetDevice`: later allocations, streams and modules of this thread use device
+    /// `ordinal`.
+    pub fn set_device(&self, ordinal: usize) -> Result<(), HipError> {
+        let ordinal = c_int::try_from(ordinal).unwrap_or(c_int::MAX);
+        // SAFETY: takes a plain int; an unknown ordinal is an error code.
+        let code = unsafe { (self.api.hipSetDevice)(ordinal) };
+        self.check("hipSetDevice", code)
+    }
+
     /// `hipGetDeviceProperties` of device `ordinal`.
     pub(crate) fn device_properties(&self, ordinal: usize) -> Result<hipDeviceProp_t, HipError> {
         let mut out = PropsWithSlack {

@@ -98,17 +98,40 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         }
     }
 
+    /// The element range `offset..offset + n`, or a shape error naming `what`.
+    fn check_range(&self, what: &'static str, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::Shape {
+                what,
+                expected: self.len.saturating_sub(offset),
+                got: n,
+            }),
+        }
+    }
+
     /// Copies `src` (as long as the buffer) to the device, synchronously.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         self.check_len(
             "host source of a device copy (the buffer's length)",
             src.len(),
         )?;
-        // SAFETY: `src` is `len` readable values and the buffer `len` writable ones; the copy
-        // is complete when hipMemcpy returns.
+        self.write_at(0, src)
+    }
+
+    /// Copies `src` to elements `offset..offset + src.len()`, synchronously.
+    pub fn write_at(&self, offset: usize, src: &[T]) -> Result<()> {
+        self.check_range(
+            "host source of a device copy (past the buffer's end)",
+            offset,
+            src.len(),
+        )?;
+        // SAFETY: `src` is readable and the range lies inside this allocation (checked); the
+        // copy is complete when hipMemcpy returns. Device memory is written through its
+        // address, as a kernel would, so a shared borrow suffices.
         let code = unsafe {
             (self.rt.api().hipMemcpy)(
-                self.ptr,
+                self.ptr.cast::<T>().add(offset).cast(),
                 src.as_ptr().cast(),
                 size_of_val(src),
                 hipMemcpyKind::hipMemcpyHostToDevice,
@@ -123,12 +146,21 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             "host destination of a device copy (the buffer's length)",
             dst.len(),
         )?;
-        // SAFETY: as in `copy_from_host`, the other way; any bytes are a valid `T`
-        // (`DeviceCopy`).
+        self.read_at(0, dst)
+    }
+
+    /// Copies elements `offset..offset + dst.len()` into `dst`, synchronously.
+    pub fn read_at(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        self.check_range(
+            "host destination of a device copy (past the buffer's end)",
+            offset,
+            dst.len(),
+        )?;
+        // SAFETY: as in `write_at`, the other way; any bytes are a valid `T` (`DeviceCopy`).
         let code = unsafe {
             (self.rt.api().hipMemcpy)(
                 dst.as_mut_ptr().cast(),
-                self.ptr,
+                self.ptr.cast::<T>().add(offset).cast(),
                 size_of_val(dst),
                 hipMemcpyKind::hipMemcpyDeviceToHost,
             )
@@ -172,6 +204,11 @@ pub struct Stream {
     raw: hipStream_t,
 }
 
+// SAFETY: HIP streams may be used from any thread; the runtime serializes its own state.
+unsafe impl Send for Stream {}
+// SAFETY: as above: queuing work on one stream from several threads is allowed.
+unsafe impl Sync for Stream {}
+
 impl Stream {
     pub fn new() -> Result<Stream> {
         let rt = runtime()?;
@@ -202,6 +239,11 @@ pub struct Event {
     rt: &'static Runtime,
     raw: hipEvent_t,
 }
+
+// SAFETY: HIP events may be recorded and queried from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new() -> Result<Event> {
@@ -252,6 +294,11 @@ pub struct Function<'m> {
     raw: hipFunction_t,
     _module: PhantomData<&'m Module>,
 }
+
+// SAFETY: a loaded module is immutable runtime state, usable from any thread.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
 
 impl Module {
     /// Loads an embedded code object (see [`crate::kernels::code_objects_for`]).

@@ -157,7 +157,7 @@ pub fn check_heavy_tailed_outliers(backend: Backend) {
         cache
             .append(0, 0, &k[..len * width], &v[..len * width])
             .unwrap();
-        cache.set_backend(backend);
+        cache.set_backend(backend).unwrap();
         let q = rng.normals(cfg.q_heads * cfg.head_dim);
         let mut out = vec![0f32; q.len()];
         cache.attend(0, 0, &q, 0.125, &mut out).unwrap();
