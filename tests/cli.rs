@@ -193,3 +193,30 @@ fn bench_runs_the_device_path_on_the_emulator() {
         assert_eq!(row["bytes_per_step"], bytes, "{row}");
     }
 }
+
+#[test]
+fn eval_without_the_model_names_the_fetch_script() {
+    let out = hipkv(&[
+        "eval",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--tokens",
+        "16",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("/nonexistent/model.gguf not found"), "{err}");
+    assert!(err.contains("scripts/fetch-model.sh"), "{err}");
+}
+
+#[test]
+fn eval_rejects_bad_schemes_and_text_before_loading() {
+    let out = hipkv(&["eval", "--schemes", "f16,bogus"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("bogus"), "{err}");
+    let out = hipkv(&["eval", "--text", "/nonexistent/text.txt"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("cannot read /nonexistent/text.txt"), "{err}");
+}

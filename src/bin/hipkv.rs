@@ -1,8 +1,10 @@
 //! `hipkv`: which backends this build can run and what each scheme stores (`info`), what each
-//! GPU kernel of this build uses (`info --kernels`), and how fast decode attention reads each
-//! scheme's cache (`bench`), compared with memcpy on the CPU and with peak bandwidth on a GPU.
+//! GPU kernel of this build uses (`info --kernels`), how fast decode attention reads each
+//! scheme's cache (`bench`), compared with memcpy on the CPU and with peak bandwidth on a GPU,
+//! and what each scheme costs in accuracy on a real model (`eval`).
 
 use std::hint::black_box;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -53,7 +55,41 @@ enum Command {
     /// Time single-token decode attention per scheme and context on the best backend (or
     /// HIPKV_BACKEND's), against memcpy bandwidth on the CPU and peak bandwidth on a GPU.
     Bench(BenchArgs),
+    /// Run a real model (GGUF, CPU) with its KV cache in each scheme: KL against the f16 cache,
+    /// top-1 agreement, ΔNLL, bytes per token, KL by context depth.
+    Eval(EvalArgs),
 }
+
+#[derive(Args)]
+struct EvalArgs {
+    /// Llama-family GGUF model (`scripts/fetch-model.sh` downloads the default).
+    #[arg(long, default_value = hipkv::eval::DEFAULT_MODEL)]
+    model: PathBuf,
+    /// Text file to evaluate on [default: the bundled corpus, data/corpus/python-tutorial.txt].
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// Tokens of the text to run (from its start).
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Schemes, separated by `,` where each starts with a preset or `k=` (`f16,q8,kivi2,pre_rope`
+    /// is three), or by `;` [default: f16, q8, q8_0, q4_tok, kivi4, q2_tok, kivi2 and kivi2 with
+    /// pre_rope, outliers, and both].
+    #[arg(long)]
+    schemes: Option<String>,
+    /// Tokens per prefill chunk: appended to the cache, then attending to it.
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write the PNG plots (KL against bytes per token, KL against depth) into this folder.
+    #[arg(long)]
+    plots: Option<PathBuf>,
+}
+
+/// What `hipkv eval` measures when no schemes are given.
+const EVAL_SCHEMES: &str =
+    "f16;q8;q8_0;q4_tok;kivi4;q2_tok;kivi2;kivi2,pre_rope;kivi2,outliers;kivi2,pre_rope,outliers";
 
 #[derive(Args)]
 struct InfoArgs {
@@ -107,6 +143,8 @@ enum CliError {
     Json(#[from] serde_json::Error),
     #[error("cannot read an embedded code object: {0}")]
     CodeObject(#[from] hipkv::codeobj::CodeObjectError),
+    #[error(transparent)]
+    Eval(#[from] hipkv::eval::EvalError),
 }
 
 fn main() -> ExitCode {
@@ -114,6 +152,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info(args) => info(&args),
         Command::Bench(args) => bench(&args),
+        Command::Eval(args) => eval(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -655,5 +694,174 @@ fn print_table(report: &Report) {
             speedup(r.speedup_vs_q8),
             speedup(r.speedup_vs_f16),
         );
+    }
+}
+
+fn eval(args: &EvalArgs) -> Result<(), CliError> {
+    use hipkv::eval::{self, EvalError, Model};
+
+    let schemes = eval::parse_schemes(args.schemes.as_deref().unwrap_or(EVAL_SCHEMES))?;
+    if args.tokens < 2 {
+        return Err(CliError::Usage("--tokens must be at least 2".into()));
+    }
+    let text = match &args.text {
+        Some(path) => std::fs::read_to_string(path).map_err(|source| EvalError::Io {
+            path: path.clone(),
+            source,
+        })?,
+        None => eval::CORPUS.to_string(),
+    };
+    let started = Instant::now();
+    let (model, tokenizer) = Model::load(&args.model)?;
+    let all = tokenizer.encode(&text)?;
+    if all.len() < args.tokens {
+        return Err(EvalError::TextTooShort {
+            have: all.len(),
+            want: args.tokens,
+        }
+        .into());
+    }
+    let tokens = &all[..args.tokens];
+    let cfg = *model.config();
+    let load_time = started.elapsed();
+    if !args.json {
+        println!(
+            "model {} ({} layers, {} query / {} KV heads, head_dim {}, RoPE base {}), loaded in {:.1} s",
+            args.model.display(),
+            cfg.layers,
+            cfg.q_heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.rope_base,
+            load_time.as_secs_f64()
+        );
+        println!(
+            "text {}: {} tokens of {}, chunks of {}; baseline f16 cache + {} schemes",
+            args.text
+                .as_ref()
+                .map_or("data/corpus/python-tutorial.txt (bundled)".into(), |p| p
+                    .display()
+                    .to_string()),
+            tokens.len(),
+            all.len(),
+            args.chunk,
+            schemes.len()
+        );
+    }
+    let total = tokens.len() * (schemes.len() + 1);
+    let progress = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens, {tokens_per_sec}, ETA {eta}",
+        )
+        .expect("static template")
+        .with_key(
+            "tokens_per_sec",
+            |state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:.0} tokens/s", state.per_sec());
+            },
+        ),
+    );
+    let run_started = Instant::now();
+    let report = eval::evaluate(&model, tokens, &schemes, args.chunk, &mut |done| {
+        progress.set_position(done as u64)
+    })?;
+    progress.finish_and_clear();
+    let run_time = run_started.elapsed().as_secs_f64();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_eval(&report);
+        println!(
+            "\n{} tokens × {} runs in {:.1} s ({:.0} tokens/s), {} threads",
+            tokens.len(),
+            schemes.len() + 1,
+            run_time,
+            total as f64 / run_time,
+            rayon::current_num_threads()
+        );
+    }
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).map_err(|source| EvalError::Write {
+            path: dir.clone(),
+            source,
+        })?;
+        let name = args
+            .model
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+        let what = format!("{name}, {} tokens", tokens.len());
+        let pareto = eval::plot_pareto(
+            &report,
+            &format!("KV cache: KL vs memory ({what})"),
+            &dir.join("eval-pareto.png"),
+        )?;
+        let depth = eval::plot_depth(
+            &report,
+            &format!("KV cache: KL by context depth ({what})"),
+            &dir.join("eval-depth.png"),
+        )?;
+        eprintln!("plots: {} {}", pareto.display(), depth.display());
+    }
+    Ok(())
+}
+
+fn print_eval(report: &hipkv::eval::Report) {
+    let w = report
+        .schemes
+        .iter()
+        .map(|s| s.scheme.len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
+    let buckets: Vec<&hipkv::eval::DepthBucket> = report.schemes[0]
+        .depth
+        .iter()
+        .filter(|b| b.tokens > 0)
+        .collect();
+    let name = |from: usize, to: usize| {
+        let k = |n: usize| {
+            if n >= 1024 {
+                format!("{}k", n / 1024)
+            } else {
+                n.to_string()
+            }
+        };
+        format!("KL {}-{}", k(from), k(to))
+    };
+    println!(
+        "\nbaseline (f16 cache): NLL {:.4} nats, perplexity {:.3}, over {} scored tokens\n",
+        report.baseline_nll, report.baseline_perplexity, report.scored
+    );
+    print!(
+        "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>7}  {:>9}  {:>8}",
+        "scheme", "bytes/tok", "bits/elem", "mean KL", "p99 KL", "top-1", "ΔNLL", "PPL"
+    );
+    for b in &buckets {
+        print!("  {:>9}", name(b.from, b.to));
+    }
+    let outliers = report.schemes.iter().any(|s| s.outliers_dropped > 0);
+    if outliers {
+        print!("  {:>9}", "outl.drop");
+    }
+    println!();
+    for s in &report.schemes {
+        print!(
+            "{:<w$}  {:>9.0}  {:>9.2}  {:>9.2e}  {:>9.2e}  {:>6.2}%  {:>+9.4}  {:>8.3}",
+            s.scheme,
+            s.bytes_per_token,
+            s.bits_per_element,
+            s.mean_kl,
+            s.p99_kl,
+            100.0 * s.top1,
+            s.delta_nll,
+            s.perplexity
+        );
+        for b in s.depth.iter().filter(|b| b.tokens > 0) {
+            print!("  {:>9.2e}", b.mean_kl.unwrap_or(0.0));
+        }
+        if outliers {
+            print!("  {:>9}", s.outliers_dropped);
+        }
+        println!();
     }
 }

@@ -1,0 +1,586 @@
+//! `hipkv eval`: what each KV-cache scheme costs on a real model.
+//!
+//! A Llama-family GGUF model ([`Model`]) runs on the CPU over a text, once with an `f16` cache
+//! (the baseline P) and once per scheme under test (Q), every layer's K and V going through a
+//! [`KvCache`] in that scheme. Tokens arrive in chunks as an engine prefills them: each chunk is
+//! appended to the cache first and then attends to it, so every past token (and the chunk's own)
+//! is read back in its stored form. Per scheme: mean and 99th-percentile KL(P‖Q) over the full
+//! vocabulary, top-1 agreement, ΔNLL and perplexity on the text's next tokens, bytes per token,
+//! and KL by context depth.
+
+mod model;
+mod plot;
+mod tokenizer;
+
+use std::path::PathBuf;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::{CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
+
+pub use model::{Attention, Model, ModelConfig};
+pub use plot::{plot_depth, plot_pareto};
+pub use tokenizer::Tokenizer;
+
+/// Where `scripts/fetch-model.sh` puts the default model, relative to the repository root.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The default text: three chapters of the Python 3.11 tutorial (English prose with Python
+/// code), PSF License / Zero-Clause BSD; see `data/corpus/LICENSE.md`.
+pub const CORPUS: &str = include_str!("../../data/corpus/python-tutorial.txt");
+
+/// Context-depth buckets `[from, to)` in tokens: a token's depth is its position in the text.
+pub const DEPTH_BUCKETS: [(usize, usize); 5] = [
+    (0, 512),
+    (512, 1024),
+    (1024, 2048),
+    (2048, 4096),
+    (4096, 8192),
+];
+
+/// Everything that can go wrong in an evaluation.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error(
+        "model file {} not found: run `scripts/fetch-model.sh` (downloads SmolLM2-135M-Instruct, Q4_1 GGUF, to {DEFAULT_MODEL}), or pass --model PATH",
+        path.display()
+    )]
+    ModelMissing { path: PathBuf },
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("GGUF: {0}")]
+    Gguf(#[from] candle_core::Error),
+    #[error("GGUF metadata has no `{key}`")]
+    MissingMetadata { key: String },
+    #[error("GGUF file has no tensor `{name}`")]
+    MissingTensor { name: String },
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("unsupported model: {what}: {value}")]
+    UnsupportedModel { what: &'static str, value: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(tokenizers::Error),
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfVocab { token: usize, vocab: usize },
+    #[error(
+        "the text has {have} tokens, {want} were asked for: pass a longer --text or fewer --tokens"
+    )]
+    TextTooShort { have: usize, want: usize },
+    #[error("{tokens} tokens exceed the model's context of {context}")]
+    BeyondContext { tokens: usize, context: usize },
+    #[error("{what} must be positive")]
+    NotPositive { what: &'static str },
+    #[error("no schemes to evaluate")]
+    NoSchemes,
+    #[error(transparent)]
+    Cache(#[from] crate::Error),
+    #[error(
+        "no font for the plots: tried {}; set HIPKV_FONT to a .ttf file (Debian: apt-get install fonts-dejavu-core)",
+        tried.join(", ")
+    )]
+    NoFont { tried: Vec<String> },
+    #[error("plot {}: {source}", path.display())]
+    Plot {
+        path: PathBuf,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// A metadata value of a GGUF file, or an error naming the key.
+pub(crate) fn metadata<'c>(content: &'c Content, key: &str) -> Result<&'c Value, EvalError> {
+    content
+        .metadata
+        .get(key)
+        .ok_or_else(|| EvalError::MissingMetadata {
+            key: key.to_string(),
+        })
+}
+
+/// The model's attention through a hipkv [`KvCache`] in one scheme: each chunk's keys and values
+/// are appended (the cache rotates keys by position, interleaved pairs as GGUF stores Q and K,
+/// and the queries likewise), then the chunk's queries attend causally over the stored tokens.
+///
+/// Outlier thresholds (schemes with `outliers`) are calibrated per layer from that layer's keys
+/// (and values, for `outliers=kv`) of the first chunk, just before it is appended.
+pub struct CacheAttention {
+    cache: KvCache,
+    calibrated: Vec<bool>,
+    softmax_scale: f32,
+}
+
+impl CacheAttention {
+    /// A single-sequence cache for `capacity` tokens of `model` in `scheme`.
+    pub fn new(
+        model: &ModelConfig,
+        scheme: Scheme,
+        capacity: usize,
+    ) -> Result<CacheAttention, EvalError> {
+        let cache = KvCache::new(CacheConfig {
+            layers: model.layers,
+            sequences: 1,
+            kv_heads: model.kv_heads,
+            q_heads: model.q_heads,
+            head_dim: model.head_dim,
+            capacity,
+            scheme,
+            rope: Some(model_rope(model)),
+        })?;
+        Ok(CacheAttention {
+            cache,
+            calibrated: vec![false; model.layers],
+            softmax_scale: 1.0 / (model.head_dim as f32).sqrt(),
+        })
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+}
+
+/// RoPE as llama.cpp applies it to a GGUF Llama: interleaved pairs, the file's base.
+pub fn model_rope(model: &ModelConfig) -> Rope {
+    Rope {
+        base: model.rope_base,
+        layout: RopeLayout::Interleaved,
+    }
+}
+
+impl Attention for CacheAttention {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EvalError> {
+        if self.cache.config().scheme.outliers.is_some() && !self.calibrated[layer] {
+            let position = self.cache.len(layer, 0)?;
+            self.cache.calibrate_outliers(layer, k, v, position)?;
+            self.calibrated[layer] = true;
+        }
+        self.cache.append(layer, 0, k, v)?;
+        self.cache.attend(layer, 0, q, self.softmax_scale, out)?;
+        Ok(())
+    }
+}
+
+/// Plain f32 causal attention with RoPE, no cache and no rounding: the reference that checks
+/// the model's forward pass independently of hipkv (tests).
+pub struct DenseAttention {
+    config: ModelConfig,
+    rope: RopeTable,
+    capacity: usize,
+    /// Per layer: rotated keys and values so far, `tokens × kv_heads × head_dim`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl DenseAttention {
+    pub fn new(model: &ModelConfig, capacity: usize) -> DenseAttention {
+        DenseAttention {
+            config: *model,
+            rope: RopeTable::new(model_rope(model), model.head_dim, capacity),
+            capacity,
+            k: vec![Vec::new(); model.layers],
+            v: vec![Vec::new(); model.layers],
+        }
+    }
+}
+
+impl Attention for DenseAttention {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EvalError> {
+        let c = &self.config;
+        let d = c.head_dim;
+        let kv_width = c.kv_heads * d;
+        let q_width = c.q_heads * d;
+        let start = self.k[layer].len() / kv_width;
+        let n = k.len() / kv_width;
+        if start + n > self.capacity {
+            return Err(EvalError::BeyondContext {
+                tokens: start + n,
+                context: self.capacity,
+            });
+        }
+        let mut k = k.to_vec();
+        for (t, token) in k.chunks_exact_mut(kv_width).enumerate() {
+            token
+                .chunks_exact_mut(d)
+                .for_each(|h| self.rope.rotate(h, start + t));
+        }
+        self.k[layer].extend_from_slice(&k);
+        self.v[layer].extend_from_slice(v);
+        let (keys, values) = (&self.k[layer], &self.v[layer]);
+        let scale = 1.0 / (d as f32).sqrt();
+        let gqa = c.q_heads / c.kv_heads;
+        out.par_chunks_exact_mut(q_width)
+            .zip(q.par_chunks_exact(q_width))
+            .enumerate()
+            .for_each(|(t, (out, q))| {
+                let pos = start + t;
+                for head in 0..c.q_heads {
+                    let kv = head / gqa;
+                    let mut qh = q[head * d..(head + 1) * d].to_vec();
+                    self.rope.rotate(&mut qh, pos);
+                    let scores: Vec<f64> = (0..=pos)
+                        .map(|j| {
+                            let kj = &keys[j * kv_width + kv * d..][..d];
+                            f64::from(qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale)
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let sum: f64 = w.iter().sum();
+                    let o = &mut out[head * d..(head + 1) * d];
+                    o.fill(0.0);
+                    for (j, wj) in w.iter().enumerate() {
+                        let vj = &values[j * kv_width + kv * d..][..d];
+                        for (o, x) in o.iter_mut().zip(vj) {
+                            *o += (wj / sum) as f32 * x;
+                        }
+                    }
+                }
+            });
+        Ok(())
+    }
+}
+
+/// `(log Σ exp(x), argmax)` of one row of logits, in f64.
+fn log_sum_exp(logits: &[f32]) -> (f64, usize) {
+    let (arg, max) = logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(ai, am), (i, &x)| {
+            if x > am { (i, x) } else { (ai, am) }
+        });
+    let max = f64::from(max);
+    let sum: f64 = logits.iter().map(|&x| (f64::from(x) - max).exp()).sum();
+    (max + sum.ln(), arg)
+}
+
+/// What one token's prediction under a scheme costs against the baseline.
+#[derive(Clone, Copy, Debug, Default)]
+struct TokenStats {
+    /// KL(P‖Q) over the whole vocabulary, nats.
+    kl: f64,
+    /// −log Q(next token).
+    nll: f64,
+    /// The most likely next token is the same under P and Q.
+    top1: bool,
+}
+
+/// One token's statistics: `p` the baseline's logits, `q` the scheme's, `next` the true next
+/// token. Identical logits give exactly 0 KL.
+fn compare(p: &[f32], q: &[f32], next: u32) -> TokenStats {
+    let (lse_p, arg_p) = log_sum_exp(p);
+    let (lse_q, arg_q) = log_sum_exp(q);
+    let kl: f64 = p
+        .iter()
+        .zip(q)
+        .map(|(&a, &b)| {
+            let lp = f64::from(a) - lse_p;
+            let lq = f64::from(b) - lse_q;
+            let pp = lp.exp();
+            if pp > 0.0 { pp * (lp - lq) } else { 0.0 }
+        })
+        .sum();
+    TokenStats {
+        // Rounding can leave a hair below zero for near-identical rows.
+        kl: kl.max(0.0),
+        nll: lse_q - f64::from(q[next as usize]),
+        top1: arg_p == arg_q,
+    }
+}
+
+/// KL of one depth bucket.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct DepthBucket {
+    /// First position of the bucket (inclusive).
+    pub from: usize,
+    /// Last position of the bucket (exclusive).
+    pub to: usize,
+    /// Tokens of the text in the bucket.
+    pub tokens: usize,
+    /// Mean KL(P‖Q) over them, nats; `None` when the bucket is empty.
+    pub mean_kl: Option<f64>,
+    /// Top-1 agreement over them.
+    pub top1: Option<f64>,
+}
+
+/// The measurement of one scheme.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct SchemeReport {
+    pub scheme: String,
+    /// Mean KL(P‖Q) over the full vocabulary, nats, P the `f16` cache's next-token distribution.
+    pub mean_kl: f64,
+    /// 99th percentile of the per-token KL.
+    pub p99_kl: f64,
+    /// Fraction of tokens whose most likely next token is the baseline's.
+    pub top1: f64,
+    /// Mean negative log-likelihood of the text's next tokens, nats.
+    pub nll: f64,
+    /// `nll` minus the baseline's.
+    pub delta_nll: f64,
+    pub perplexity: f64,
+    /// Cache bytes per token of the whole model (every layer and KV head, K and V), everything
+    /// included (scales, minimums, outlier stores, sinks, residual windows), at the evaluated
+    /// length ([`Scheme::memory`]).
+    pub bytes_per_token: f64,
+    /// Bits per cached element once pages are full ([`Scheme::bytes_per_token`]).
+    pub bits_per_element: f64,
+    /// Outliers (elements outside the calibrated range) that found no free slot in their token's
+    /// sparse store and were clipped instead, over all layers; 0 without `outliers`.
+    pub outliers_dropped: u64,
+    pub depth: Vec<DepthBucket>,
+}
+
+/// The whole evaluation.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Report {
+    /// Tokens run through the model.
+    pub tokens: usize,
+    /// Tokens scored: every position that has a next token.
+    pub scored: usize,
+    pub chunk: usize,
+    /// The baseline's (`f16` cache) mean NLL and perplexity.
+    pub baseline_nll: f64,
+    pub baseline_perplexity: f64,
+    pub schemes: Vec<SchemeReport>,
+}
+
+/// The scheme every other is compared against.
+pub fn baseline_scheme() -> Scheme {
+    Scheme::uniform(crate::Format::F16)
+}
+
+/// Runs the baseline and every scheme over `tokens`, in chunks of `chunk`, and measures each
+/// scheme against the baseline. `progress` is told the tokens done after every chunk of every
+/// run (the total is `tokens.len() × (schemes.len() + 1)`).
+pub fn evaluate(
+    model: &Model,
+    tokens: &[u32],
+    schemes: &[Scheme],
+    chunk: usize,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Report, EvalError> {
+    let cfg = *model.config();
+    if chunk == 0 {
+        return Err(EvalError::NotPositive { what: "chunk" });
+    }
+    if tokens.len() < 2 {
+        return Err(EvalError::TextTooShort {
+            have: tokens.len(),
+            want: 2,
+        });
+    }
+    if tokens.len() > cfg.context {
+        return Err(EvalError::BeyondContext {
+            tokens: tokens.len(),
+            context: cfg.context,
+        });
+    }
+    if schemes.is_empty() {
+        return Err(EvalError::NoSchemes);
+    }
+    let n = tokens.len();
+    let scored = n - 1;
+    let mut baseline = CacheAttention::new(&cfg, baseline_scheme(), n)?;
+    let mut runs = schemes
+        .iter()
+        .map(|s| CacheAttention::new(&cfg, *s, n))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut base_nll = Vec::with_capacity(scored);
+    let mut stats: Vec<Vec<TokenStats>> = vec![Vec::with_capacity(scored); schemes.len()];
+    let mut done = 0;
+    for start in (0..n).step_by(chunk) {
+        let end = (start + chunk).min(n);
+        let ids = &tokens[start..end];
+        // Positions of this chunk that have a next token.
+        let rows = end.min(scored) - start;
+        let next = &tokens[start + 1..start + 1 + rows];
+        let p = model.forward(ids, &mut baseline)?;
+        done += ids.len();
+        progress(done);
+        let v = cfg.vocab;
+        base_nll.extend(
+            p.par_chunks_exact(v)
+                .zip(next.par_iter())
+                .map(|(p, &t)| log_sum_exp(p).0 - f64::from(p[t as usize]))
+                .collect::<Vec<_>>(),
+        );
+        for (run, stats) in runs.iter_mut().zip(&mut stats) {
+            let q = model.forward(ids, run)?;
+            stats.extend(
+                p.par_chunks_exact(v)
+                    .zip(q.par_chunks_exact(v))
+                    .zip(next.par_iter())
+                    .map(|((p, q), &t)| compare(p, q, t))
+                    .collect::<Vec<_>>(),
+            );
+            done += ids.len();
+            progress(done);
+        }
+    }
+    let baseline_nll = mean(base_nll.iter().copied());
+    let reports = runs
+        .iter()
+        .zip(&stats)
+        .map(|(run, stats)| scheme_report(&cfg, run.cache(), stats, baseline_nll))
+        .collect();
+    Ok(Report {
+        tokens: n,
+        scored,
+        chunk,
+        baseline_nll,
+        baseline_perplexity: baseline_nll.exp(),
+        schemes: reports,
+    })
+}
+
+fn mean(xs: impl Iterator<Item = f64>) -> f64 {
+    let (sum, count) = xs.fold((0.0, 0usize), |(s, c), x| (s + x, c + 1));
+    sum / count.max(1) as f64
+}
+
+/// The `q`-quantile of `xs` by nearest rank.
+fn quantile(xs: &[f64], q: f64) -> f64 {
+    let mut sorted = xs.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1));
+    sorted.get(rank - 1).copied().unwrap_or(0.0)
+}
+
+fn scheme_report(
+    cfg: &ModelConfig,
+    cache: &KvCache,
+    stats: &[TokenStats],
+    baseline_nll: f64,
+) -> SchemeReport {
+    let scheme = cache.config().scheme;
+    let tokens = cache.config().capacity;
+    let kl: Vec<f64> = stats.iter().map(|s| s.kl).collect();
+    let nll = mean(stats.iter().map(|s| s.nll));
+    let top1 = |s: &[TokenStats]| mean(s.iter().map(|s| f64::from(u8::from(s.top1))));
+    let depth = DEPTH_BUCKETS
+        .iter()
+        .map(|&(from, to)| {
+            let s = &stats[from.min(stats.len())..to.min(stats.len())];
+            DepthBucket {
+                from,
+                to,
+                tokens: s.len(),
+                mean_kl: (!s.is_empty()).then(|| mean(s.iter().map(|s| s.kl))),
+                top1: (!s.is_empty()).then(|| top1(s)),
+            }
+        })
+        .collect();
+    let per_head = scheme.memory(cfg.head_dim, tokens).bytes_per_token();
+    SchemeReport {
+        scheme: scheme.to_string(),
+        mean_kl: mean(kl.iter().copied()),
+        p99_kl: quantile(&kl, 0.99),
+        top1: top1(stats),
+        nll,
+        delta_nll: nll - baseline_nll,
+        perplexity: nll.exp(),
+        bytes_per_token: per_head * (cfg.layers * cfg.kv_heads) as f64,
+        bits_per_element: scheme.bytes_per_token(cfg.head_dim) * 8.0 / (2 * cfg.head_dim) as f64,
+        outliers_dropped: cache.outliers_dropped(),
+        depth,
+    }
+}
+
+/// Parses a scheme list: separated by `;`, or by `,` where each scheme starts with a preset
+/// name or `k=` (so `f16,q8,kivi2,pre_rope` is three schemes, the last with `pre_rope`).
+pub fn parse_schemes(list: &str) -> crate::Result<Vec<Scheme>> {
+    let parts: Vec<String> = if list.contains(';') {
+        list.split(';').map(|s| s.trim().to_string()).collect()
+    } else {
+        let mut parts: Vec<String> = Vec::new();
+        for item in list.split(',').map(str::trim) {
+            let starts = crate::scheme::PRESETS.contains(&item) || item.starts_with("k=");
+            match parts.last_mut() {
+                Some(last) if !starts => {
+                    last.push(',');
+                    last.push_str(item);
+                }
+                _ => parts.push(item.to_string()),
+            }
+        }
+        parts
+    };
+    parts
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_logits_have_zero_kl_and_agree() {
+        let p = [0.5f32, -1.0, 3.0, 2.0];
+        let s = compare(&p, &p, 2);
+        assert_eq!(s.kl, 0.0);
+        assert!(s.top1);
+        let (lse, arg) = log_sum_exp(&p);
+        assert_eq!(arg, 2);
+        assert!((s.nll - (lse - 3.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn kl_matches_a_hand_computed_value() {
+        // P = (1/2, 1/2), Q = (1/4, 3/4): KL = ½ ln 2 + ½ ln(2/3).
+        let p = [0.0f32, 0.0];
+        let q = [0.0f32, 3f32.ln()];
+        let s = compare(&p, &q, 0);
+        let want = 0.5 * 2f64.ln() + 0.5 * (2.0f64 / 3.0).ln();
+        assert!((s.kl - want).abs() < 1e-6, "{} vs {want}", s.kl);
+        assert!(!s.top1);
+        assert!((s.nll - 4f64.ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let xs: Vec<f64> = (1..=200).map(f64::from).collect();
+        assert_eq!(quantile(&xs, 0.99), 198.0);
+        assert_eq!(quantile(&[3.0], 0.99), 3.0);
+    }
+
+    #[test]
+    fn scheme_lists_split_on_scheme_starts() {
+        let s = parse_schemes("f16,q8,kivi2,pre_rope,kivi2,outliers,pre_rope").unwrap();
+        let names: Vec<String> = s.iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            names,
+            ["f16", "q8", "kivi2,pre_rope", "kivi2,pre_rope,outliers"]
+        );
+        let s = parse_schemes("k=q2_chan,v=q4_tok;q8").unwrap();
+        assert_eq!(s.len(), 2);
+        assert!(parse_schemes("f16,bogus").is_err());
+    }
+}

@@ -1,0 +1,353 @@
+//! A Llama-family model read from a GGUF file, run on the CPU, with every layer's attention
+//! handed to an [`Attention`] implementation (the hipkv cache in the scheme under test).
+//!
+//! The weights are read as shipped (Q4_1, Q8_0, F32, ...) and dequantized once to f32, which is
+//! exact: every quantized weight is `scale · q (+ min)` with f16 parameters, representable in f32.
+//! Matmuls then run in f32 (candle's CPU `matmul`), so the activations are not requantized either;
+//! llama.cpp instead quantizes activations to 8 bits for its integer dot products, which moves
+//! the logits slightly but is identical in every scheme's run, as is everything here but the cache.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use super::tokenizer::Tokenizer;
+use super::{EvalError, metadata};
+
+/// Shape and hyperparameters of a Llama-family model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    /// Context length the model was trained for.
+    pub context: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+}
+
+/// One transformer block's weights, transposed to `in × out` for `x · W`.
+struct Block {
+    attn_norm: Vec<f32>,
+    /// Q, K and V projections side by side: `hidden × (q + 2 kv) · head_dim`.
+    qkv: Tensor,
+    out: Tensor,
+    ffn_norm: Vec<f32>,
+    /// Gate and up projections side by side: `hidden × 2 ffn`.
+    gate_up: Tensor,
+    down: Tensor,
+}
+
+/// A Llama-family model on the CPU.
+pub struct Model {
+    config: ModelConfig,
+    /// `vocab × hidden`, row per token.
+    embedding: Vec<f32>,
+    blocks: Vec<Block>,
+    output_norm: Vec<f32>,
+    /// `hidden × vocab` (the embedding, transposed, when the model ties them).
+    lm_head: Tensor,
+}
+
+/// Where every layer's attention happens: the model hands over one chunk of `n` tokens' queries,
+/// keys and values, all unrotated (`n × heads × head_dim`), and takes back the attention output
+/// (`n × q_heads × head_dim`) of those tokens, each attending causally to every token before it
+/// and itself. Positions continue from the previous chunk.
+pub trait Attention {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EvalError>;
+}
+
+fn usize_key(content: &Content, key: &str) -> Result<usize, EvalError> {
+    let v = metadata(content, key)?;
+    let n = v
+        .to_u32()
+        .map(u64::from)
+        .or_else(|_| v.to_u64())
+        .map_err(EvalError::Gguf)?;
+    Ok(n as usize)
+}
+
+fn f32_key(content: &Content, key: &str) -> Result<f32, EvalError> {
+    metadata(content, key)?.to_f32().map_err(EvalError::Gguf)
+}
+
+impl ModelConfig {
+    /// Reads the `llama.*` keys of a GGUF file and checks that this module can run the model.
+    pub fn from_gguf(content: &Content) -> Result<ModelConfig, EvalError> {
+        let arch = metadata(content, "general.architecture")?
+            .to_string()
+            .map_err(EvalError::Gguf)?;
+        if arch != "llama" {
+            return Err(EvalError::UnsupportedModel {
+                what: "general.architecture (llama only)",
+                value: arch.clone(),
+            });
+        }
+        let hidden = usize_key(content, "llama.embedding_length")?;
+        let q_heads = usize_key(content, "llama.attention.head_count")?;
+        let kv_heads = match content.metadata.get("llama.attention.head_count_kv") {
+            Some(_) => usize_key(content, "llama.attention.head_count_kv")?,
+            None => q_heads,
+        };
+        let vocab = match content.metadata.get("llama.vocab_size") {
+            Some(_) => usize_key(content, "llama.vocab_size")?,
+            None => metadata(content, "tokenizer.ggml.tokens")?
+                .to_vec()
+                .map_err(EvalError::Gguf)?
+                .len(),
+        };
+        let head_dim = hidden / q_heads.max(1);
+        let config = ModelConfig {
+            layers: usize_key(content, "llama.block_count")?,
+            hidden,
+            ffn: usize_key(content, "llama.feed_forward_length")?,
+            q_heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            context: usize_key(content, "llama.context_length")?,
+            rms_eps: f32_key(content, "llama.attention.layer_norm_rms_epsilon")?,
+            rope_base: match content.metadata.get("llama.rope.freq_base") {
+                Some(_) => f32_key(content, "llama.rope.freq_base")?,
+                None => 10_000.0,
+            },
+        };
+        if q_heads == 0 || kv_heads == 0 || hidden % q_heads != 0 || q_heads % kv_heads != 0 {
+            return Err(EvalError::UnsupportedModel {
+                what: "head counts (hidden a multiple of query heads, query heads of KV heads)",
+                value: format!("hidden {hidden}, {q_heads} query heads, {kv_heads} KV heads"),
+            });
+        }
+        if let Some(v) = content.metadata.get("llama.rope.dimension_count") {
+            let dims = v.to_u32().map_err(EvalError::Gguf)? as usize;
+            if dims != head_dim {
+                return Err(EvalError::UnsupportedModel {
+                    what: "llama.rope.dimension_count (RoPE over the whole head only)",
+                    value: dims.to_string(),
+                });
+            }
+        }
+        if let Some(v) = content.metadata.get("llama.rope.scaling.type") {
+            return Err(EvalError::UnsupportedModel {
+                what: "llama.rope.scaling.type (no RoPE scaling)",
+                value: v.to_string().cloned().unwrap_or_default(),
+            });
+        }
+        Ok(config)
+    }
+}
+
+/// Reads one tensor and dequantizes it to f32.
+fn read_tensor(
+    content: &Content,
+    file: &mut BufReader<File>,
+    name: &str,
+) -> Result<Tensor, EvalError> {
+    if !content.tensor_infos.contains_key(name) {
+        return Err(EvalError::MissingTensor {
+            name: name.to_string(),
+        });
+    }
+    let q = content.tensor(file, name, &Device::Cpu)?;
+    Ok(q.dequantize(&Device::Cpu)?)
+}
+
+/// Reads a tensor of `rows × cols` (GGUF: `cols` fastest), checking its shape.
+fn read_matrix(
+    content: &Content,
+    file: &mut BufReader<File>,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Tensor, EvalError> {
+    let t = read_tensor(content, file, name)?;
+    if t.dims() != [rows, cols] {
+        return Err(EvalError::TensorShape {
+            name: name.to_string(),
+            expected: vec![rows, cols],
+            got: t.dims().to_vec(),
+        });
+    }
+    Ok(t)
+}
+
+fn read_vector(
+    content: &Content,
+    file: &mut BufReader<File>,
+    name: &str,
+    len: usize,
+) -> Result<Vec<f32>, EvalError> {
+    let t = read_tensor(content, file, name)?;
+    if t.dims() != [len] {
+        return Err(EvalError::TensorShape {
+            name: name.to_string(),
+            expected: vec![len],
+            got: t.dims().to_vec(),
+        });
+    }
+    Ok(t.to_vec1()?)
+}
+
+/// `in × out` contiguous, from GGUF's `out × in`.
+fn transposed(w: &Tensor) -> Result<Tensor, EvalError> {
+    Ok(w.t()?.contiguous()?)
+}
+
+impl Model {
+    /// Loads a Llama-family GGUF file and its tokenizer.
+    pub fn load(path: &Path) -> Result<(Model, Tokenizer), EvalError> {
+        let file = File::open(path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                EvalError::ModelMissing {
+                    path: path.to_path_buf(),
+                }
+            } else {
+                EvalError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            }
+        })?;
+        let mut file = BufReader::new(file);
+        let content = Content::read(&mut file)?;
+        let config = ModelConfig::from_gguf(&content)?;
+        let tokenizer = Tokenizer::from_gguf(&content)?;
+        let c = config;
+        let (q_width, kv_width) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let embedding = read_matrix(&content, &mut file, "token_embd.weight", c.vocab, c.hidden)?;
+        let lm_head = if content.tensor_infos.contains_key("output.weight") {
+            let w = read_matrix(&content, &mut file, "output.weight", c.vocab, c.hidden)?;
+            transposed(&w)?
+        } else {
+            transposed(&embedding)?
+        };
+        let embedding = embedding.flatten_all()?.to_vec1()?;
+        let mut blocks = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let name = |w: &str| format!("blk.{l}.{w}.weight");
+            let mut matrix =
+                |w: &str, rows, cols| read_matrix(&content, &mut file, &name(w), rows, cols);
+            let q = matrix("attn_q", q_width, c.hidden)?;
+            let k = matrix("attn_k", kv_width, c.hidden)?;
+            let v = matrix("attn_v", kv_width, c.hidden)?;
+            let out = matrix("attn_output", c.hidden, q_width)?;
+            let gate = matrix("ffn_gate", c.ffn, c.hidden)?;
+            let up = matrix("ffn_up", c.ffn, c.hidden)?;
+            let down = matrix("ffn_down", c.hidden, c.ffn)?;
+            blocks.push(Block {
+                attn_norm: read_vector(&content, &mut file, &name("attn_norm"), c.hidden)?,
+                qkv: transposed(&Tensor::cat(&[&q, &k, &v], 0)?)?,
+                out: transposed(&out)?,
+                ffn_norm: read_vector(&content, &mut file, &name("ffn_norm"), c.hidden)?,
+                gate_up: transposed(&Tensor::cat(&[&gate, &up], 0)?)?,
+                down: transposed(&down)?,
+            });
+        }
+        let output_norm = read_vector(&content, &mut file, "output_norm.weight", c.hidden)?;
+        Ok((
+            Model {
+                config,
+                embedding,
+                blocks,
+                output_norm,
+                lm_head,
+            },
+            tokenizer,
+        ))
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Runs one chunk of tokens through the model, each layer's attention through `attention`,
+    /// and returns the logits of every token of the chunk (`n × vocab`).
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        attention: &mut dyn Attention,
+    ) -> Result<Vec<f32>, EvalError> {
+        let c = &self.config;
+        let n = tokens.len();
+        let (q_width, kv_width) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut x = Vec::with_capacity(n * c.hidden);
+        for &t in tokens {
+            let t = t as usize;
+            if t >= c.vocab {
+                return Err(EvalError::TokenOutOfVocab {
+                    token: t,
+                    vocab: c.vocab,
+                });
+            }
+            x.extend_from_slice(&self.embedding[t * c.hidden..(t + 1) * c.hidden]);
+        }
+        let mut attn = vec![0.0f32; n * q_width];
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &b.attn_norm, c.rms_eps);
+            let qkv = matmul(&h, n, &b.qkv)?;
+            let width = q_width + 2 * kv_width;
+            let mut q = Vec::with_capacity(n * q_width);
+            let mut k = Vec::with_capacity(n * kv_width);
+            let mut v = Vec::with_capacity(n * kv_width);
+            for row in qkv.chunks_exact(width) {
+                q.extend_from_slice(&row[..q_width]);
+                k.extend_from_slice(&row[q_width..q_width + kv_width]);
+                v.extend_from_slice(&row[q_width + kv_width..]);
+            }
+            attention.attend(l, &q, &k, &v, &mut attn)?;
+            add(&mut x, &matmul(&attn, n, &b.out)?);
+            let h = rms_norm(&x, &b.ffn_norm, c.rms_eps);
+            let gate_up = matmul(&h, n, &b.gate_up)?;
+            let act: Vec<f32> = gate_up
+                .par_chunks_exact(2 * c.ffn)
+                .flat_map_iter(|row| {
+                    let (g, u) = row.split_at(c.ffn);
+                    g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                })
+                .collect();
+            add(&mut x, &matmul(&act, n, &b.down)?);
+        }
+        let h = rms_norm(&x, &self.output_norm, c.rms_eps);
+        matmul(&h, n, &self.lm_head)
+    }
+}
+
+/// `x · w` for `x` of `n` rows.
+fn matmul(x: &[f32], n: usize, w: &Tensor) -> Result<Vec<f32>, EvalError> {
+    let x = Tensor::from_slice(x, (n, x.len() / n), &Device::Cpu)?;
+    Ok(x.matmul(w)?.flatten_all()?.to_vec1()?)
+}
+
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let d = weight.len();
+    let mut out = vec![0.0; x.len()];
+    out.par_chunks_exact_mut(d)
+        .zip(x.par_chunks_exact(d))
+        .for_each(|(o, x)| {
+            let ms = x.iter().map(|v| f64::from(*v) * f64::from(*v)).sum::<f64>() / d as f64;
+            let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
+            for ((o, x), w) in o.iter_mut().zip(x).zip(weight) {
+                *o = x * inv * w;
+            }
+        });
+    out
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
+}

@@ -1,0 +1,153 @@
+//! `hipkv eval` on the real model (SmolLM2-135M-Instruct, Q4_1 GGUF, fetched by
+//! `scripts/fetch-model.sh`): the forward pass, the tokenizer, and the accuracy ordering of the
+//! schemes on a short text. Without the model file the tests are skipped, unless
+//! `HIPKV_REQUIRE_MODEL=1` (set by `.ci/run`), which makes that a failure. `HIPKV_MODEL` names
+//! another copy of the file.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use hipkv::eval::{self, Attention, CacheAttention, DenseAttention, EvalError, Model, Tokenizer};
+
+fn model_path() -> PathBuf {
+    std::env::var_os("HIPKV_MODEL").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(eval::DEFAULT_MODEL),
+        PathBuf::from,
+    )
+}
+
+/// The model, loaded once for every test of this file; `None` (skip) when it is missing and
+/// not required.
+fn model() -> Option<&'static (Model, Tokenizer)> {
+    static MODEL: OnceLock<Option<(Model, Tokenizer)>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| match Model::load(&model_path()) {
+            Ok(m) => Some(m),
+            Err(e @ EvalError::ModelMissing { .. })
+                if std::env::var("HIPKV_REQUIRE_MODEL").as_deref() != Ok("1") =>
+            {
+                eprintln!("skipped: {e}");
+                None
+            }
+            Err(e) => {
+                panic!("cannot load the model (HIPKV_REQUIRE_MODEL=1 makes this required): {e}")
+            }
+        })
+        .as_ref()
+}
+
+/// Softmax probability and id of the most likely token after the last position.
+fn top(logits: &[f32], vocab: usize) -> (u32, f64) {
+    let last = &logits[logits.len() - vocab..];
+    let max = last.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = last.iter().map(|&x| f64::from(x - max).exp()).sum();
+    let arg = last.iter().position(|&x| x == max).unwrap();
+    (arg as u32, 1.0 / sum)
+}
+
+#[test]
+fn the_capital_of_france_is_paris() {
+    let Some((model, tok)) = model() else { return };
+    let cfg = *model.config();
+    assert_eq!(
+        (
+            cfg.layers,
+            cfg.q_heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.rope_base
+        ),
+        (30, 9, 3, 64, 100_000.0)
+    );
+    let ids = tok.encode("The capital of France is").unwrap();
+    let paris = tok.encode(" Paris").unwrap();
+    assert_eq!(paris.len(), 1, "\" Paris\" is one token: {paris:?}");
+
+    let scheme = "f16".parse().unwrap();
+    let mut cache = CacheAttention::new(&cfg, scheme, 64).unwrap();
+    let (id, p) = top(&model.forward(&ids, &mut cache).unwrap(), cfg.vocab);
+    eprintln!("f16 cache: {:?} p = {p:.4}", tok.decode(&[id]).unwrap());
+    assert_eq!(id, paris[0], "top token {:?}", tok.decode(&[id]).unwrap());
+    assert!(
+        (0.72..0.82).contains(&p),
+        "p(\" Paris\") = {p}, expected about 0.77"
+    );
+
+    // The same prompt with plain f32 attention, no hipkv cache, in two chunks.
+    let mut dense = DenseAttention::new(&cfg, 64);
+    model.forward(&ids[..2], &mut dense).unwrap();
+    let (id2, p2) = top(&model.forward(&ids[2..], &mut dense).unwrap(), cfg.vocab);
+    eprintln!("dense f32 attention: p = {p2:.4}");
+    assert_eq!(id2, id);
+    assert!((p - p2).abs() < 0.01, "f16 cache {p} vs dense {p2}");
+}
+
+#[test]
+fn the_tokenizer_round_trips_the_corpus_and_it_is_long_enough() {
+    let Some((_, tok)) = model() else { return };
+    let ids = tok.encode(eval::CORPUS).unwrap();
+    assert!(ids.len() >= 8192, "corpus has {} tokens", ids.len());
+    assert_eq!(tok.decode(&ids).unwrap(), eval::CORPUS);
+    // Digits are split one by one (SmolLM2's pre-tokenizer).
+    assert_eq!(tok.encode("2024").unwrap().len(), 4);
+}
+
+#[test]
+fn chunked_prefill_through_the_cache_matches_dense_attention() {
+    let Some((model, tok)) = model() else { return };
+    let cfg = *model.config();
+    let ids = &tok.encode(eval::CORPUS).unwrap()[..96];
+    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 96).unwrap();
+    let mut dense = DenseAttention::new(&cfg, 96);
+    let run = |a: &mut dyn Attention| -> Vec<f32> {
+        ids.chunks(40)
+            .flat_map(|c| model.forward(c, a).unwrap())
+            .collect()
+    };
+    let (x, y) = (run(&mut cache), run(&mut dense));
+    let worst = x
+        .iter()
+        .zip(&y)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    // f16 storage of K and V against f32: logits agree to a few hundredths.
+    assert!(worst < 0.1, "largest logit difference {worst}");
+}
+
+#[test]
+fn schemes_rank_as_the_issue_requires() {
+    let Some((model, tok)) = model() else { return };
+    let ids = &tok.encode(eval::CORPUS).unwrap()[..384];
+    let schemes = eval::parse_schemes("f16,q8,q4_tok,kivi4,q2_tok,kivi2").unwrap();
+    let report = eval::evaluate(model, ids, &schemes, 128, &mut |_| {}).unwrap();
+    for s in &report.schemes {
+        eprintln!(
+            "{:<8} KL {:.3e} p99 {:.3e} top-1 {:.3} ΔNLL {:+.4}",
+            s.scheme, s.mean_kl, s.p99_kl, s.top1, s.delta_nll
+        );
+    }
+    let get = |name: &str| report.schemes.iter().find(|s| s.scheme == name).unwrap();
+    let f16 = get("f16");
+    assert_eq!(
+        (f16.mean_kl, f16.p99_kl, f16.top1, f16.delta_nll),
+        (0.0, 0.0, 1.0, 0.0)
+    );
+    let q8 = get("q8");
+    assert!(q8.mean_kl < 5e-3 && q8.top1 >= 0.97, "q8: {q8:?}");
+    let (q4, kivi4) = (get("q4_tok"), get("kivi4"));
+    assert!(
+        5.0 * kivi4.mean_kl <= q4.mean_kl,
+        "kivi4 {} vs q4_tok {}",
+        kivi4.mean_kl,
+        q4.mean_kl
+    );
+    let (q2, kivi2) = (get("q2_tok"), get("kivi2"));
+    assert!(
+        2.0 * kivi2.mean_kl <= q2.mean_kl,
+        "kivi2 {} vs q2_tok {}",
+        kivi2.mean_kl,
+        q2.mean_kl
+    );
+    assert_eq!(report.scored, 383);
+    assert_eq!(f16.depth[0].tokens, 383);
+}
