@@ -349,17 +349,17 @@ macro_rules! with_rows {
                 assert!($buf.len() >= $n);
                 let $rows = Q8Rows {
                     packed,
-                    scales: &$buf[..$n],
-                    d,
+                    scales: &$buf,
                 };
                 $body
             }
             Format::Q8_0 => {
-                assert!($buf.len() >= $n * (d / Q8_0_BLOCK));
+                let blocks = d / Q8_0_BLOCK;
+                assert!($buf.len() >= $n * blocks);
                 let $rows = Q80Rows {
                     packed,
                     scales: &$buf,
-                    n: $n,
+                    blocks,
                 };
                 $body
             }
@@ -367,15 +367,14 @@ macro_rules! with_rows {
                 let group = group.size(d);
                 let (groups, group_shift) = (d / group, group.trailing_zeros());
                 assert!(group.is_power_of_two() && $buf.len() >= 2 * groups * $n);
-                let (scales, mins) = $buf.split_at(groups * $n);
+                let params = &$buf;
                 assert!(group >= 32 && d.is_multiple_of(32));
                 match bits {
                     LowBits::Four => {
                         let $rows = TokRows::<4> {
                             codes: ChanCodes { packed },
-                            scales,
-                            mins,
-                            n: $n,
+                            params,
+                            groups,
                             group_shift,
                         };
                         $body
@@ -383,9 +382,8 @@ macro_rules! with_rows {
                     LowBits::Two => {
                         let $rows = TokRows::<2> {
                             codes: ChanCodes { packed },
-                            scales,
-                            mins,
-                            n: $n,
+                            params,
+                            groups,
                             group_shift,
                         };
                         $body
@@ -521,16 +519,6 @@ fn run_item<K: Kernel>(
     let mut params = Vec::new();
     let (mut dense, mut permuted) = (Vec::new(), Vec::new());
     let (mut folded, mut bias) = (Vec::new(), Vec::new());
-    let mut fold = Fold::default();
-    // Each row's sums over the key format's groups, for keys with per-token minimums.
-    let q_sums: Vec<f32> = match view.layout.k.format {
-        Format::Tok { group, .. } => hq
-            .rows
-            .chunks_exact(group.size(d))
-            .map(|c| c.iter().sum())
-            .collect(),
-        _ => Vec::new(),
-    };
     for (i, block) in blocks.iter().enumerate() {
         let n = block.tokens;
         let next = blocks.get(i + 1);
@@ -554,17 +542,7 @@ fn run_item<K: Kernel>(
                 rope.rotate(key, block.first_pos + t);
             }
             let rows = F32Rows::new(&dense, n, d);
-            score_block(
-                k,
-                &rows,
-                n,
-                d,
-                &hq.rows,
-                &[],
-                &mut scores,
-                g,
-                &mut prefetch_k,
-            );
+            score_block(k, &rows, n, d, &hq.rows, &mut scores, g, &mut prefetch_k);
         } else if let Format::Chan { bits } = block.k.format {
             // Per-channel parameters are the page's: fold the scales into the queries and the
             // minimums into one bias per row, and score the bare codes.
@@ -575,33 +553,13 @@ fn run_item<K: Kernel>(
             match bits {
                 LowBits::Four => {
                     let codes = ChanCodes::<4> { packed };
-                    score_block(
-                        k,
-                        &codes,
-                        n,
-                        d,
-                        &folded,
-                        &[],
-                        &mut scores,
-                        g,
-                        &mut prefetch_k,
-                    );
+                    score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                     let rows = ChanRows { codes, scale, min };
                     correct_scores(k, &rows, block, order, hq, &mut scores, g);
                 }
                 LowBits::Two => {
                     let codes = ChanCodes::<2> { packed };
-                    score_block(
-                        k,
-                        &codes,
-                        n,
-                        d,
-                        &folded,
-                        &[],
-                        &mut scores,
-                        g,
-                        &mut prefetch_k,
-                    );
+                    score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                     let rows = ChanRows { codes, scale, min };
                     correct_scores(k, &rows, block, order, hq, &mut scores, g);
                 }
@@ -616,7 +574,7 @@ fn run_item<K: Kernel>(
                 &queries
             };
             with_rows!(k, block.k, n, params, |rows| {
-                score_block(k, &rows, n, d, q, &q_sums, &mut scores, g, &mut prefetch_k);
+                score_block(k, &rows, n, d, q, &mut scores, g, &mut prefetch_k);
                 correct_scores(k, &rows, block, order, hq, &mut scores, g);
             });
         }
@@ -624,17 +582,7 @@ fn run_item<K: Kernel>(
         let order = Order::of(block.v.format);
         if order == v_order {
             with_rows!(k, block.v, n, params, |rows| {
-                accumulate_block(
-                    k,
-                    &rows,
-                    n,
-                    d,
-                    &scores,
-                    g,
-                    &mut part.acc,
-                    &mut fold,
-                    &mut prefetch_v,
-                );
+                accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
                 // Sparse outliers: add w·(exact − dense) to the outlier's channel.
                 if block.v.outliers.is_some() {
                     for t in 0..n {
@@ -662,17 +610,7 @@ fn run_item<K: Kernel>(
             }
             v_order.permute(&dense, d, &mut permuted);
             let rows = F32Rows::new(&permuted, n, d);
-            accumulate_block(
-                k,
-                &rows,
-                n,
-                d,
-                &scores,
-                g,
-                &mut part.acc,
-                &mut fold,
-                &mut prefetch_v,
-            );
+            accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
         }
     }
     v_order.unpermute(&mut part.acc, d);
@@ -820,82 +758,17 @@ fn softmax_block<K: Kernel>(
 /// the [`Order`] of the stream's format.
 ///
 /// Each implementation is built for `n` tokens of `d` channels, `d` a multiple of 32, and
-/// checks, when built, that its slices hold them; the methods then read without further checks.
-///
-/// Formats with per-token parameters ([`Rows::affine`]) let the loops apply them outside the
-/// decode: the value loop takes bare codes ([`Rows::value8`]) and folds the scales into the
-/// softmax weights and the minimums into one sum per group; the score loop takes
-/// [`Rows::key8`], codes times the group's scale (or bare codes, see [`Affine::scaled_keys`]),
-/// and adds the minimums times the queries' group sums.
+/// checks, when built, that its slices hold them; `row8` then reads without further checks.
 trait Rows {
     /// Positions decoded from one load (8, 16 or 32); the loops step over positions by a
     /// multiple of it, so that `j` below is a constant in each unrolled copy.
     const CHUNK: usize;
 
-    /// Dequantized positions `c0 + 8j .. c0 + 8j + 8` of token `t`.
+    /// Positions `c0 + 8j .. c0 + 8j + 8` of token `t`.
     ///
     /// # Safety
     /// `t < n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`.
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V;
-
-    /// The per-token parameters the loops apply outside `key8` and `value8`, if any.
-    fn affine(&self) -> Option<Affine<'_>> {
-        None
-    }
-
-    /// Positions that share one [`Rows::key_setup`] (of rows of `d`): a multiple of 16 and of
-    /// `CHUNK` that divides `d`.
-    fn setup_span(&self, d: usize) -> usize {
-        d
-    }
-
-    /// What `key8` needs for the positions `c0 ..+ setup_span` of token `t` (e.g. their
-    /// group's scale), computed once for them.
-    ///
-    /// # Safety
-    /// `t < n` and `c0 < d` is a multiple of `setup_span`.
-    #[inline(always)]
-    unsafe fn key_setup<K: Kernel>(&self, k: K, t: usize, c0: usize) -> K::V {
-        let _ = (t, c0);
-        k.splat(0.0)
-    }
-
-    /// Positions `c0 + 8j ..+ 8` of token `t` as the score loop takes them (see the trait);
-    /// `setup` is `key_setup(t, c0)`.
-    ///
-    /// # Safety
-    /// As [`Rows::row8`].
-    #[inline(always)]
-    unsafe fn key8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize, setup: K::V) -> K::V {
-        let _ = setup;
-        // SAFETY: forwarded contract.
-        unsafe { self.row8(k, t, c0, j) }
-    }
-
-    /// Positions `c0 + 8j ..+ 8` of token `t` as the value loop takes them: bare codes when
-    /// the rows have [`Rows::affine`] parameters.
-    ///
-    /// # Safety
-    /// As [`Rows::row8`].
-    #[inline(always)]
-    unsafe fn value8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe { self.row8(k, t, c0, j) }
-    }
-}
-
-/// Per-token parameters of `n` tokens: token `t`'s positions of group `g` (`group` positions
-/// each, in the rows' order) are `mins[g·n + t] + scales[g·n + t] · code`.
-struct Affine<'a> {
-    /// Positions per group: a multiple of 32 that divides `d`.
-    group: usize,
-    n: usize,
-    scales: &'a [f32],
-    /// `None`: all zero.
-    mins: Option<&'a [f32]>,
-    /// Whether [`Rows::key8`] applies the scales; if not (one group only), the score loop
-    /// multiplies each finished score by its token's scale.
-    scaled_keys: bool,
 }
 
 /// Already dequantized rows (pre-RoPE keys after rotation, reordered sink values).
@@ -964,9 +837,7 @@ impl Rows for F16Rows<'_> {
 /// `q8`: `scale[t] · int8`.
 struct Q8Rows<'a> {
     packed: Packed<'a>,
-    /// One per token.
     scales: &'a [f32],
-    d: usize,
 }
 
 impl Rows for Q8Rows<'_> {
@@ -974,57 +845,22 @@ impl Rows for Q8Rows<'_> {
 
     #[inline(always)]
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: forwarded contract; `scales` holds one per token (checked where built).
+        // SAFETY: a q8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside
+        // it; `scales` holds one per token (checked where built).
         unsafe {
             k.mul(
-                self.key8(k, t, c0, j, k.splat(0.0)),
+                k.i8x8(self.packed.at(t, c0 + 8 * j)),
                 k.splat(*self.scales.get_unchecked(t)),
             )
         }
-    }
-
-    fn affine(&self) -> Option<Affine<'_>> {
-        Some(Affine {
-            group: self.d,
-            n: self.scales.len(),
-            scales: self.scales,
-            mins: None,
-            scaled_keys: false,
-        })
-    }
-
-    #[inline(always)]
-    unsafe fn key8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize, _: K::V) -> K::V {
-        // SAFETY: a q8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside it.
-        unsafe { k.i8x8(self.packed.at(t, c0 + 8 * j)) }
-    }
-
-    #[inline(always)]
-    unsafe fn value8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe { self.key8(k, t, c0, j, k.splat(0.0)) }
     }
 }
 
 /// `q8_0`: `d[t][block] · int8`, the scale inside each 34-byte block.
 struct Q80Rows<'a> {
     packed: Packed<'a>,
-    /// `scales[b·n + t]`: block `b` of token `t`.
     scales: &'a [f32],
-    n: usize,
-}
-
-impl Q80Rows<'_> {
-    /// Pointer to the codes of positions `c .. c + 8` of row `t`.
-    ///
-    /// # Safety
-    /// `t < n` and `c + 8 <= d`, `c` a multiple of 8.
-    #[inline(always)]
-    unsafe fn codes(&self, t: usize, c: usize) -> *const u8 {
-        let (b, i) = (c / Q8_0_BLOCK, c % Q8_0_BLOCK);
-        // SAFETY: block `b < d / 32` of the row holds 2 + 32 bytes and `i + 8 <= 32`.
-        unsafe { self.packed.at(t, b * Q8_0_BLOCK_BYTES + 2 + i) }
-    }
+    blocks: usize,
 }
 
 impl Rows for Q80Rows<'_> {
@@ -1032,41 +868,17 @@ impl Rows for Q80Rows<'_> {
 
     #[inline(always)]
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe { self.key8(k, t, c0, j, self.key_setup(k, t, c0 + 8 * j)) }
-    }
-
-    fn affine(&self) -> Option<Affine<'_>> {
-        Some(Affine {
-            group: Q8_0_BLOCK,
-            n: self.n,
-            scales: self.scales,
-            mins: None,
-            scaled_keys: true,
-        })
-    }
-
-    fn setup_span(&self, _: usize) -> usize {
-        Q8_0_BLOCK
-    }
-
-    #[inline(always)]
-    unsafe fn key_setup<K: Kernel>(&self, k: K, t: usize, c0: usize) -> K::V {
-        // SAFETY: `scales` holds `n × blocks` (checked where built); `t < n` and the block of
-        // `c0 < d` is below `blocks`.
-        unsafe { k.splat(*self.scales.get_unchecked(c0 / Q8_0_BLOCK * self.n + t)) }
-    }
-
-    #[inline(always)]
-    unsafe fn key8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize, scale: K::V) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe { k.mul(self.value8(k, t, c0, j), scale) }
-    }
-
-    #[inline(always)]
-    unsafe fn value8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe { k.i8x8(self.codes(t, c0 + 8 * j)) }
+        let c = c0 + 8 * j;
+        let (b, i) = (c / Q8_0_BLOCK, c % Q8_0_BLOCK);
+        // SAFETY: block `b < d / 32` of the row holds 2 + 32 bytes and `i + 8 <= 32`; `scales`
+        // holds `n × blocks` (checked where built).
+        unsafe {
+            let codes = k.i8x8(self.packed.at(t, b * Q8_0_BLOCK_BYTES + 2 + i));
+            k.mul(
+                codes,
+                k.splat(*self.scales.get_unchecked(t * self.blocks + b)),
+            )
+        }
     }
 }
 
@@ -1093,7 +905,7 @@ impl<const BITS: usize> ChanCodes<'_, BITS> {
         // SAFETY: `d` is a multiple of `CHUNK`, so the chunk at `base` lies within the row,
         // whose `base · BITS / 8 .. + 8` bytes hold it.
         unsafe {
-            let p = self.packed.at(t, base / (8 / BITS));
+            let p = self.packed.at(t, base * BITS / 8);
             if BITS == 4 {
                 k.nib8(p, j == 1)
             } else {
@@ -1116,20 +928,11 @@ impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
 /// `q*_tok`: `min[t][group] + scale[t][group] · code`.
 struct TokRows<'a, const BITS: usize> {
     codes: ChanCodes<'a, BITS>,
-    /// `scales[g·n + t]` and `mins[g·n + t]`: group `g` of token `t`.
-    scales: &'a [f32],
-    mins: &'a [f32],
-    n: usize,
+    /// `(scale, min)` per token per group.
+    params: &'a [f32],
+    groups: usize,
     /// log2 of the channels per group (group sizes are powers of two, at least 32).
     group_shift: u32,
-}
-
-impl<const BITS: usize> TokRows<'_, BITS> {
-    /// Index of the parameters of the group of position `c0` of token `t`.
-    #[inline(always)]
-    fn param(&self, t: usize, c0: usize) -> usize {
-        (c0 >> self.group_shift) * self.n + t
-    }
 }
 
 impl<const BITS: usize> Rows for TokRows<'_, BITS> {
@@ -1137,11 +940,15 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
 
     #[inline(always)]
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        let p = self.param(t, c0);
-        // SAFETY: forwarded contract; `scales` and `mins` hold `groups × n` (checked where
-        // built), and `t < n`, `c0 >> group_shift < groups`.
+        // A chunk lies within one group, so position `c0` names the group.
+        let p = 2 * (t * self.groups + (c0 >> self.group_shift));
+        // SAFETY: forwarded contract; `params` holds `2 × groups` per token (checked where
+        // built) and `c0 >> group_shift < groups`.
         unsafe {
-            let (scale, min) = (*self.scales.get_unchecked(p), *self.mins.get_unchecked(p));
+            let (scale, min) = (
+                *self.params.get_unchecked(p),
+                *self.params.get_unchecked(p + 1),
+            );
             if BITS == 4 {
                 let codes = self.codes.lookup(k, t, c0, j, k.splat(0.0));
                 k.fmadd(codes, k.splat(scale), k.splat(min))
@@ -1150,49 +957,6 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
                 self.codes.lookup(k, t, c0, j, k.crumb_table(scale, min))
             }
         }
-    }
-
-    fn affine(&self) -> Option<Affine<'_>> {
-        Some(Affine {
-            group: 1 << self.group_shift,
-            n: self.n,
-            scales: self.scales,
-            mins: Some(self.mins),
-            scaled_keys: true,
-        })
-    }
-
-    fn setup_span(&self, _: usize) -> usize {
-        1 << self.group_shift
-    }
-
-    #[inline(always)]
-    unsafe fn key_setup<K: Kernel>(&self, k: K, t: usize, c0: usize) -> K::V {
-        // SAFETY: as in `row8`.
-        let scale = unsafe { *self.scales.get_unchecked(self.param(t, c0)) };
-        if BITS == 4 {
-            k.splat(scale)
-        } else {
-            k.crumb_table(scale, 0.0)
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn key8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize, setup: K::V) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe {
-            if BITS == 4 {
-                k.mul(self.codes.lookup(k, t, c0, j, setup), setup)
-            } else {
-                self.codes.lookup(k, t, c0, j, setup)
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn value8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: forwarded contract.
-        unsafe { self.codes.row8(k, t, c0, j) }
     }
 }
 
@@ -1229,44 +993,14 @@ impl StreamBlock<'_> {
         out.clear();
         match self.format {
             Format::F16 => {}
-            Format::Q8 => {
-                out.resize(n, 0.0);
-                k.f16_to_f32(&self.params[..2 * n], out);
+            Format::Q8 | Format::Tok { .. } => {
+                let bytes = n * self.format.params_bytes(1, d);
+                out.resize(bytes / 2, 0.0);
+                k.f16_to_f32(&self.params[..bytes], out);
             }
-            Format::Tok { group, .. } => {
-                // Planar: every group's scales over the tokens, then its minimums.
-                let groups = d / group.size(d);
-                out.resize(2 * groups * n, 0.0);
-                let bytes = &self.params[..4 * groups * n];
-                let mut t = 0;
-                if groups == 4 {
-                    // Eight tokens' (scale, min) pairs of the four groups are the rows of an
-                    // 8 × 8 matrix whose columns are the planar vectors.
-                    while t + 8 <= n {
-                        // SAFETY: tokens `t .. t + 8` have 16 parameter bytes each within
-                        // `bytes`, and `out` holds `8n` floats, so `(i·n + t) + 8 <= 8n`.
-                        unsafe {
-                            let rows =
-                                std::array::from_fn(|i| k.f16x8(bytes.as_ptr().add(16 * (t + i))));
-                            for (i, v) in k.transpose8(rows).into_iter().enumerate() {
-                                // Column `2g` is group `g`'s scales, `2g + 1` its minimums.
-                                let at = (i % 2 * groups + i / 2) * n + t;
-                                k.store_ptr(v, out.as_mut_ptr().add(at));
-                            }
-                        }
-                        t += 8;
-                    }
-                }
-                for t in t..n {
-                    for g in 0..groups {
-                        let at = 4 * (t * groups + g);
-                        out[g * n + t] = get_f16(bytes, at);
-                        out[(groups + g) * n + t] = get_f16(bytes, at + 2);
-                    }
-                }
-            }
-            Format::Q8_0 => out.extend((0..d / Q8_0_BLOCK).flat_map(|b| {
-                (0..n).map(move |t| get_f16(self.rows, t * self.row_bytes + b * Q8_0_BLOCK_BYTES))
+            Format::Q8_0 => out.extend((0..n).flat_map(|t| {
+                (0..d / Q8_0_BLOCK)
+                    .map(move |b| get_f16(self.rows, t * self.row_bytes + b * Q8_0_BLOCK_BYTES))
             })),
             Format::Chan { .. } => {
                 // Convert the (scale, min) pairs, then de-interleave into the codes' order:
@@ -1314,9 +1048,8 @@ macro_rules! for_row_groups {
 }
 
 /// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
-/// rows per pass so each key row is decoded once per four query rows, then the per-token
-/// parameters the key loop leaves out (see [`Rows`]). `q` is in the rows' order; `q_sums` holds
-/// each row's sums over the key groups (`rows × groups`) when the keys have minimums.
+/// rows per pass so each key row is decoded once per four query rows. `q` is in the rows'
+/// order.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn score_block<K: Kernel, R: Rows>(
@@ -1325,38 +1058,17 @@ fn score_block<K: Kernel, R: Rows>(
     n: usize,
     d: usize,
     q: &[f32],
-    q_sums: &[f32],
     scores: &mut [f32],
     g: usize,
     prefetch: &mut Prefetch<'_>,
 ) {
-    let q_rows = q.len() / d;
-    for_row_groups!(q_rows, |r0, QR| score_rows::<K, R, QR>(
+    for_row_groups!(q.len() / d, |r0, QR| score_rows::<K, R, QR>(
         k, rows, n, d, q, r0, scores, g, prefetch
     ));
-    let Some(aff) = rows.affine() else { return };
-    let groups = d / aff.group;
-    assert!(aff.scales.len() >= groups * aff.n && n <= aff.n && scores.len() >= q_rows * g);
-    for r in 0..q_rows {
-        let s = &mut scores[r * g..r * g + n];
-        if !aff.scaled_keys {
-            assert_eq!(groups, 1);
-            s.iter_mut()
-                .zip(aff.scales)
-                .for_each(|(s, scale)| *s *= scale);
-        }
-        if let Some(mins) = aff.mins {
-            assert!(mins.len() >= groups * aff.n && q_sums.len() >= q_rows * groups);
-            for (gi, &q_sum) in q_sums[r * groups..(r + 1) * groups].iter().enumerate() {
-                let m = &mins[gi * aff.n..gi * aff.n + n];
-                s.iter_mut().zip(m).for_each(|(s, m)| *s += m * q_sum);
-            }
-        }
-    }
 }
 
-/// Each token's `QR` dot products run as `2 × QR` independent FMA chains with the query rows
-/// read as memory operands; two tokens' products are reduced together.
+/// Scores tokens two at a time so each query load feeds two keys and the `2 × QR` dot
+/// products form independent FMA chains (one chain per accumulator stalls on FMA latency).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn score_rows<K: Kernel, R: Rows, const QR: usize>(
@@ -1370,104 +1082,74 @@ fn score_rows<K: Kernel, R: Rows, const QR: usize>(
     g: usize,
     prefetch: &mut Prefetch<'_>,
 ) {
-    let (step, span) = (R::CHUNK.max(16), rows.setup_span(d));
-    assert!(q.len() >= (r0 + QR) * d && n <= g && scores.len() >= (r0 + QR) * g);
-    assert!(span.is_multiple_of(step) && d.is_multiple_of(span));
+    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(R::CHUNK) && n <= g);
+    assert!(scores.len() >= (r0 + QR) * g);
     let mut t = 0;
     while t + 2 <= n {
         prefetch.step(k);
-        // SAFETY: `t + 2 <= n` and the rest is asserted above.
-        unsafe { score_tokens::<K, R, QR, 2>(k, rows, d, span, q, r0, t, scores, g) };
+        score_tokens::<K, R, QR, 2>(k, rows, d, q, r0, t, scores, g);
         t += 2;
     }
     if t < n {
-        // SAFETY: `t < n` and the rest is asserted above.
-        unsafe { score_tokens::<K, R, QR, 1>(k, rows, d, span, q, r0, t, scores, g) };
+        score_tokens::<K, R, QR, 1>(k, rows, d, q, r0, t, scores, g);
     }
 }
 
-/// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens.
-///
-/// # Safety
-/// `t0 + TT <= n <= g`, `span` (the rows' `setup_span`) is a multiple of `CHUNK.max(16)` that
-/// divides `d`, `q` holds rows `r0 .. r0 + QR` and `scores` holds `(r0 + QR)·g`.
+/// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
+/// that the rows, tokens and scores are in range and that `d` is a multiple of `R::CHUNK`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
+fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
     k: K,
     rows: &R,
     d: usize,
-    span: usize,
     q: &[f32],
     r0: usize,
     t0: usize,
     scores: &mut [f32],
     g: usize,
 ) {
+    let qp = q.as_ptr();
+    let mut acc = [[k.splat(0.0); QR]; TT];
+    for c0 in (0..d).step_by(R::CHUNK) {
+        for j in 0..R::CHUNK / 8 {
+            // SAFETY: `t0 + TT <= n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`
+            // (the rows' contract); query row `r0 + i` lies within `q` (checked by
+            // `score_rows`).
+            unsafe {
+                // A plain loop, not `array::from_fn`: a closure the compiler leaves out of
+                // line is compiled without AVX2 and turns every intrinsic into a call.
+                let mut keys = [k.splat(0.0); TT];
+                for (i, key) in keys.iter_mut().enumerate() {
+                    *key = rows.row8(k, t0 + i, c0, j);
+                }
+                for i in 0..QR {
+                    let qv = k.load_ptr(qp.add((r0 + i) * d + c0 + 8 * j));
+                    for (acc, key) in acc.iter_mut().zip(keys) {
+                        acc[i] = k.fmadd(qv, key, acc[i]);
+                    }
+                }
+            }
+        }
+    }
     const { assert!(QR * TT <= 8) };
     let mut all = [k.splat(0.0); 8];
-    for i in 0..TT {
-        // SAFETY: the caller's contract.
-        let dots = unsafe { score_token::<K, R, QR>(k, rows, d, span, q, r0, t0 + i) };
-        all[i * QR..(i + 1) * QR].copy_from_slice(&dots);
+    for (i, acc) in acc.iter().enumerate() {
+        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
     }
     let sums = k.hsum8(all);
     let sp = scores.as_mut_ptr();
     for i in 0..TT {
         for j in 0..QR {
-            // SAFETY: the caller's contract: `(r0 + j)·g + t0 + i < (r0 + QR)·g`.
+            // SAFETY: `score_rows` checked `scores.len() >= (r0 + QR)·g`, and
+            // `t0 + i < n <= g`.
             unsafe { *sp.add((r0 + j) * g + t0 + i) = sums[i * QR + j] };
         }
     }
 }
 
-/// The `QR` dot products of query rows `r0..` with the key of token `t`, each still spread
-/// over 8 lanes.
-///
-/// # Safety
-/// `t < n`, `span` as for [`score_tokens`], and `q` holds rows `r0 .. r0 + QR`.
-#[inline(always)]
-unsafe fn score_token<K: Kernel, R: Rows, const QR: usize>(
-    k: K,
-    rows: &R,
-    d: usize,
-    span: usize,
-    q: &[f32],
-    r0: usize,
-    t: usize,
-) -> [K::V; QR] {
-    let step = R::CHUNK.max(16);
-    let qp = q.as_ptr();
-    let mut acc = [[k.splat(0.0); QR]; 2];
-    for g0 in (0..d).step_by(span) {
-        // SAFETY: the caller's contract: `t < n`, `c0` a multiple of `CHUNK` and
-        // `c0 + 8j + 8 <= d`; query row `r0 + i` lies within `q`.
-        unsafe {
-            let setup = rows.key_setup(k, t, g0);
-            // A plain loop: `step_by` over a range computes its trip count per group.
-            let mut c0 = g0;
-            while c0 < g0 + span {
-                for j in 0..step / 8 {
-                    let key = rows.key8(k, t, c0, j, setup);
-                    for (i, a) in acc[j % 2].iter_mut().enumerate() {
-                        let qv = k.load_ptr(qp.add((r0 + i) * d + c0 + 8 * j));
-                        *a = k.fmadd(qv, key, *a);
-                    }
-                }
-                c0 += step;
-            }
-        }
-    }
-    let mut out = acc[0];
-    for (o, a) in out.iter_mut().zip(acc[1]) {
-        *o = k.add(*o, a);
-    }
-    out
-}
-
-/// `acc += Σ_t w[t] · value[t]` for every query row (`w` holds `rows × g` weights), with the
-/// per-token parameters of [`Rows::affine`] folded into the weights (`fold` is scratch space).
-/// `acc` is in the rows' order.
+/// `acc += Σ_t w[t] · value[t]` for up to four query rows, sixteen positions at a time with
+/// the rows' accumulators in registers across the block's tokens. `acc` is in the rows' order.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn accumulate_block<K: Kernel, R: Rows>(
@@ -1478,99 +1160,15 @@ fn accumulate_block<K: Kernel, R: Rows>(
     w: &[f32],
     g: usize,
     acc: &mut [f32],
-    fold: &mut Fold,
     prefetch: &mut Prefetch<'_>,
 ) {
-    let q_rows = acc.len() / d;
-    let weights = match rows.affine() {
-        Some(aff) => {
-            fold.fold(&aff, w, q_rows, n, g, d);
-            Weights {
-                w: &fold.weights,
-                group: aff.group,
-                mins: &fold.mins,
-            }
-        }
-        None => Weights {
-            w,
-            group: d,
-            mins: &[],
-        },
-    };
-    for_row_groups!(q_rows, |r0, QR| {
-        accumulate_rows::<K, R, QR>(k, rows, n, d, &weights, g, r0, acc, prefetch)
+    for_row_groups!(acc.len() / d, |r0, QR| {
+        accumulate_rows::<K, R, QR>(k, rows, n, d, w, g, r0, acc, prefetch)
     });
 }
 
-/// The weights the value loop multiplies bare values by: `w[(gi·rows + r)·g + t]` for group
-/// `gi` of `group` positions, and `mins[gi·rows + r]` to add to the accumulators (empty: none).
-struct Weights<'a> {
-    w: &'a [f32],
-    group: usize,
-    mins: &'a [f32],
-}
-
-/// Scratch space of the folded weights of one block.
-#[derive(Default)]
-struct Fold {
-    weights: Vec<f32>,
-    mins: Vec<f32>,
-}
-
-impl Fold {
-    /// `weights[(gi·rows + r)·g + t] = w[r·g + t] · scale[gi][t]` and
-    /// `mins[gi·rows + r] = Σ_t w[r·g + t] · min[gi][t]`.
-    #[inline(always)]
-    fn fold(&mut self, aff: &Affine<'_>, w: &[f32], rows: usize, n: usize, g: usize, d: usize) {
-        let groups = d / aff.group;
-        assert!(n <= aff.n && n <= g && w.len() >= rows * g);
-        assert!(aff.scales.len() >= groups * aff.n);
-        self.weights.resize(groups * rows * g, 0.0);
-        self.mins.clear();
-        for gi in 0..groups {
-            let scale = &aff.scales[gi * aff.n..gi * aff.n + n];
-            for r in 0..rows {
-                let (wr, out) = (
-                    &w[r * g..r * g + n],
-                    &mut self.weights[(gi * rows + r) * g..],
-                );
-                for ((o, w), s) in out.iter_mut().zip(wr).zip(scale) {
-                    *o = w * s;
-                }
-            }
-            if let Some(mins) = aff.mins {
-                assert!(mins.len() >= groups * aff.n);
-                let m = &mins[gi * aff.n..gi * aff.n + n];
-                for r in 0..rows {
-                    self.mins.push(dot(&w[r * g..r * g + n], m));
-                }
-            }
-        }
-    }
-}
-
-/// `Σ a[i]·b[i]` over eight lanes (so that it vectorizes), then across them.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (a, b) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] += a[i] * b[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
 /// Sixteen positions per pass: each weight broadcast feeds two FMAs and the `2 × QR`
-/// accumulators are independent chains across the tokens, two tokens per loop step. A 2-bit
-/// chunk takes two passes.
+/// accumulators are independent chains across the tokens. A 2-bit chunk takes two passes.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
@@ -1578,86 +1176,47 @@ fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
     rows: &R,
     n: usize,
     d: usize,
-    weights: &Weights<'_>,
+    w: &[f32],
     g: usize,
     r0: usize,
     acc: &mut [f32],
     prefetch: &mut Prefetch<'_>,
 ) {
     let step = R::CHUNK.max(16);
-    let q_rows = acc.len() / d;
-    let Weights { w, group, mins } = *weights;
-    assert!(d.is_multiple_of(group) && group.is_multiple_of(step));
-    assert!(w.len() >= d / group * q_rows * g && n <= g && r0 + QR <= q_rows);
-    assert!(mins.is_empty() || mins.len() >= d / group * q_rows);
+    assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
     assert!(d.is_multiple_of(step) && step.is_multiple_of(R::CHUNK));
-    let ap = acc.as_mut_ptr();
+    let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
     for c0 in (0..d).step_by(step) {
-        let gi = c0 / group;
-        let wp = w[gi * q_rows * g..].as_ptr();
         for pass in 0..step / 16 {
             prefetch.step(k);
             let c = c0 + 16 * pass;
-            // SAFETY: by the asserts above, weight `(gi·q_rows + r0 + j)·g + t` with `t < n <= g`
-            // lies in `w` and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c0` a
-            // multiple of `CHUNK` and `c + 16 <= d` is the rows' contract.
+            // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in
+            // `w` and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c0` a multiple
+            // of `CHUNK` and `c + 16 <= d` is the rows' contract.
             unsafe {
                 let mut a = [[k.splat(0.0); 2]; QR];
                 for (j, a) in a.iter_mut().enumerate() {
-                    let min = mins.get(gi * q_rows + r0 + j).copied();
                     for (h, a) in a.iter_mut().enumerate() {
                         *a = k.load_ptr(ap.add((r0 + j) * d + c + 8 * h));
-                        if let Some(min) = min {
-                            *a = k.add(*a, k.splat(min));
-                        }
                     }
                 }
-                let mut t = 0;
-                while t + 2 <= n {
-                    value_token(k, rows, c0, pass, wp.add(r0 * g + t), g, &mut a, t);
-                    value_token(k, rows, c0, pass, wp.add(r0 * g + t + 1), g, &mut a, t + 1);
-                    t += 2;
-                }
-                if t < n {
-                    value_token(k, rows, c0, pass, wp.add(r0 * g + t), g, &mut a, t);
+                for t in 0..n {
+                    let value = [
+                        rows.row8(k, t, c0, 2 * pass),
+                        rows.row8(k, t, c0, 2 * pass + 1),
+                    ];
+                    for (j, a) in a.iter_mut().enumerate() {
+                        let wt = k.splat(*wp.add((r0 + j) * g + t));
+                        for (a, v) in a.iter_mut().zip(value) {
+                            *a = k.fmadd(wt, v, *a);
+                        }
+                    }
                 }
                 for (j, a) in a.into_iter().enumerate() {
                     for (h, a) in a.into_iter().enumerate() {
                         k.store_ptr(a, ap.add((r0 + j) * d + c + 8 * h));
                     }
                 }
-            }
-        }
-    }
-}
-
-/// `a[j] += w[j·g] · value[t]` for the 16 positions of pass `pass` of the chunk at `c0`.
-///
-/// # Safety
-/// As [`Rows::row8`] for positions `c0 + 16·pass ..+ 16`, and `w` points to `QR` weights `g`
-/// apart.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn value_token<K: Kernel, R: Rows, const QR: usize>(
-    k: K,
-    rows: &R,
-    c0: usize,
-    pass: usize,
-    w: *const f32,
-    g: usize,
-    a: &mut [[K::V; 2]; QR],
-    t: usize,
-) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let value = [
-            rows.value8(k, t, c0, 2 * pass),
-            rows.value8(k, t, c0, 2 * pass + 1),
-        ];
-        for (j, a) in a.iter_mut().enumerate() {
-            let wt = k.splat(*w.add(j * g));
-            for (a, v) in a.iter_mut().zip(value) {
-                *a = k.fmadd(wt, v, *a);
             }
         }
     }

@@ -33,13 +33,9 @@ pub(crate) trait Kernel: Copy {
     /// `a * b + c`, fused where the CPU can.
     fn fmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
-    fn add(self, a: Self::V, b: Self::V) -> Self::V;
     /// Sum of the lanes of each of eight vectors, each as
     /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
     fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
-    /// The transpose of the 8 × 8 matrix whose rows are `v`: lane `j` of vector `i` becomes
-    /// lane `i` of vector `j`.
-    fn transpose8(self, v: [Self::V; 8]) -> [Self::V; 8];
     /// Scalar `a * b + c`, fused where the CPU can (never a slow software FMA).
     fn fma(self, a: f32, b: f32, c: f32) -> f32;
 
@@ -166,18 +162,8 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
-    fn add(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
-        std::array::from_fn(|i| a[i] + b[i])
-    }
-
-    #[inline(always)]
     fn hsum8(self, v: [[f32; 8]; 8]) -> [f32; 8] {
         v.map(|v| ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])))
-    }
-
-    #[inline(always)]
-    fn transpose8(self, v: [[f32; 8]; 8]) -> [[f32; 8]; 8] {
-        std::array::from_fn(|j| std::array::from_fn(|i| v[i][j]))
     }
 
     #[inline(always)]
@@ -262,12 +248,6 @@ mod avx2 {
         }
 
         #[inline(always)]
-        fn add(self, a: __m256, b: __m256) -> __m256 {
-            // SAFETY: see the module note; register-only.
-            unsafe { _mm256_add_ps(a, b) }
-        }
-
-        #[inline(always)]
         fn hsum8(self, v: [__m256; 8]) -> [f32; 8] {
             // SAFETY: see the module note; register-only. Two rounds of pairwise adds leave
             // each vector's low-half sum in the low lanes and its high-half sum in the high
@@ -283,38 +263,6 @@ mod avx2 {
                 let mut out = [0f32; 8];
                 _mm256_storeu_ps(out.as_mut_ptr(), sums);
                 out
-            }
-        }
-
-        #[inline(always)]
-        fn transpose8(self, v: [__m256; 8]) -> [__m256; 8] {
-            // SAFETY: see the module note; register-only. Interleave pairs of rows, then pairs
-            // of pairs, then exchange 128-bit halves.
-            unsafe {
-                let t: [__m256; 8] = std::array::from_fn(|i| {
-                    let (a, b) = (v[i / 2 * 2], v[i / 2 * 2 + 1]);
-                    if i % 2 == 0 {
-                        _mm256_unpacklo_ps(a, b)
-                    } else {
-                        _mm256_unpackhi_ps(a, b)
-                    }
-                });
-                let u: [__m256; 8] = std::array::from_fn(|i| {
-                    let (a, b) = (t[i / 4 * 4 + i % 4 / 2], t[i / 4 * 4 + i % 4 / 2 + 2]);
-                    if i % 2 == 0 {
-                        _mm256_shuffle_ps::<0x44>(a, b)
-                    } else {
-                        _mm256_shuffle_ps::<0xee>(a, b)
-                    }
-                });
-                std::array::from_fn(|j| {
-                    let (a, b) = (u[j % 4], u[j % 4 + 4]);
-                    if j < 4 {
-                        _mm256_permute2f128_ps::<0x20>(a, b)
-                    } else {
-                        _mm256_permute2f128_ps::<0x31>(a, b)
-                    }
-                })
             }
         }
 
@@ -350,19 +298,16 @@ mod avx2 {
         #[inline(always)]
         unsafe fn nib8(self, p: *const u8, high: bool) -> __m256 {
             // SAFETY: see the module note; the caller guarantees 8 readable bytes. One
-            // zero-extending load and conversion give each byte `16·high + low` as a float;
-            // `high = floor(byte / 16)` and `low = byte − 16·high` are exact. Both halves of a
-            // chunk load and convert the same address, which the compiler merges. (Integer
-            // masks and shifts would be narrowed by the compiler to byte operations before the
-            // extension, which costs an extra load and mask per half.)
+            // zero-extending load gives a byte per lane; both halves of a chunk load the same
+            // address, which the compiler merges.
             unsafe {
-                let bytes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
-                let hi = _mm256_floor_ps(_mm256_mul_ps(bytes, _mm256_set1_ps(1.0 / 16.0)));
-                if high {
-                    hi
+                let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()));
+                let codes = if high {
+                    _mm256_srli_epi32::<4>(bytes)
                 } else {
-                    _mm256_fnmadd_ps(hi, _mm256_set1_ps(16.0), bytes)
-                }
+                    _mm256_and_si256(bytes, _mm256_set1_epi32(15))
+                };
+                _mm256_cvtepi32_ps(codes)
             }
         }
 
@@ -468,7 +413,6 @@ mod tests {
             for v in [
                 k.fmadd(va, vb, k.splat(0.5)),
                 k.mul(va, vb),
-                k.add(va, vb),
                 // SAFETY: `halves` holds 16 bytes, `bytes` 8.
                 unsafe { k.f16x8(halves.as_ptr()) },
                 unsafe { k.i8x8(bytes.as_ptr()) },
@@ -484,10 +428,6 @@ mod tests {
             }
             let (one, prod) = (k.splat(1.0), k.mul(va, vb));
             out.extend(k.hsum8([va, vb, prod, one, vb, prod, va, one]));
-            for v in k.transpose8([va, vb, prod, one, k.add(va, one), prod, va, vb]) {
-                k.store(v, &mut buf);
-                out.extend(buf);
-            }
             let mut e = vec![
                 -0.5f32,
                 -3.0,
@@ -518,15 +458,15 @@ mod tests {
         // Decoded codes: int8, then 4-bit (low nibbles, high nibbles) and 2-bit (bits 0..2,
         // .., bits 6..8 of each byte, through the table `0.5 · code - 1`).
         assert_eq!(
-            &portable[32..40],
+            &portable[24..32],
             &[16.0, -14.0, 127.0, -128.0, 1.0, -1.0, 0.0, 90.0]
         );
         assert_eq!(
-            &portable[40..48],
+            &portable[32..40],
             &[0.0, 2.0, 15.0, 0.0, 1.0, 15.0, 0.0, 10.0]
         );
         assert_eq!(
-            &portable[48..56],
+            &portable[40..48],
             &[1.0, 15.0, 7.0, 8.0, 0.0, 15.0, 0.0, 5.0]
         );
         let crumbs: Vec<f32> = [
@@ -539,7 +479,7 @@ mod tests {
         .flatten()
         .map(|&c| 0.5 * c as f32 - 1.0)
         .collect();
-        assert_eq!(&portable[56..88], &crumbs[..]);
+        assert_eq!(&portable[48..80], &crumbs[..]);
     }
 
     struct Exp2(Vec<f32>);
