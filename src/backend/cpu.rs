@@ -103,7 +103,7 @@ pub(crate) struct Block<'a> {
 
 impl<'a> CacheView<'a> {
     /// Pages a sequence of `len` tokens has started.
-    fn pages(&self, len: usize) -> usize {
+    pub(crate) fn pages(&self, len: usize) -> usize {
         let s = &self.config.scheme;
         len.saturating_sub(s.sinks).div_ceil(s.group_tokens)
     }

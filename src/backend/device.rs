@@ -652,11 +652,7 @@ impl DeviceStore {
             })
             .collect();
 
-        let pages = |len: usize| {
-            len.saturating_sub(scheme.sinks)
-                .div_ceil(scheme.group_tokens)
-        };
-        let max_pages = states.iter().map(|s| pages(s.len)).max().unwrap_or(0);
+        let max_pages = states.iter().map(|s| view.pages(s.len)).max().unwrap_or(0);
         let row_groups = (gqa as u32).div_ceil(hipkv_rows(d as u32));
         let workgroups = queries.len() * cfg.kv_heads * row_groups as usize;
         let compute_units = self
