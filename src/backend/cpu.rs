@@ -327,7 +327,14 @@ struct RunItem<'v, 'a> {
 impl KernelFn<Partial> for RunItem<'_, '_> {
     #[inline(always)]
     fn call<K: Kernel>(self, k: K) -> Partial {
-        run_item(k, self.view, self.blocks, self.hq)
+        // One copy per supported head_dim, so that the channel loops have constant trip
+        // counts: the compiler unrolls them and folds the channel offsets into addresses.
+        match self.view.config.head_dim {
+            64 => run_item(k, self.view, self.blocks, self.hq, 64),
+            128 => run_item(k, self.view, self.blocks, self.hq, 128),
+            256 => run_item(k, self.view, self.blocks, self.hq, 256),
+            d => run_item(k, self.view, self.blocks, self.hq, d),
+        }
     }
 }
 
@@ -497,8 +504,9 @@ fn run_item<K: Kernel>(
     view: &CacheView<'_>,
     blocks: &[Block<'_>],
     hq: &HeadQueries,
+    d: usize,
 ) -> Partial {
-    let d = view.config.head_dim;
+    debug_assert_eq!(d, view.config.head_dim);
     let rows = hq.pos.len();
     let mut part = Partial {
         max: vec![f32::NEG_INFINITY; rows],
@@ -689,9 +697,10 @@ fn correct_scores<K: Kernel, R: Rows>(
 /// start of a block stalls the core on its miss buffers instead.
 struct Prefetch<'a> {
     rows: &'a [u8],
+    /// Offset of the next line to fetch.
     at: usize,
-    /// Bytes per step, a multiple of the cache line.
-    per_step: usize,
+    /// Lines per step.
+    lines: usize,
 }
 
 impl<'a> Prefetch<'a> {
@@ -704,15 +713,19 @@ impl<'a> Prefetch<'a> {
         Prefetch {
             rows,
             at: 0,
-            per_step: 64 * rows.len().div_ceil(64).div_ceil(steps.max(1)),
+            lines: rows.len().div_ceil(64).div_ceil(steps.max(1)),
         }
     }
 
+    /// Fetches the next few lines; a branch-light loop, as it runs inside the hot loops.
     #[inline(always)]
     fn step<K: Kernel>(&mut self, k: K) {
-        let end = (self.at + self.per_step).min(self.rows.len());
-        k.prefetch(&self.rows[self.at.min(end)..end]);
-        self.at = end;
+        for _ in 0..self.lines {
+            if self.at < self.rows.len() {
+                k.prefetch_line(&self.rows[self.at..]);
+            }
+            self.at += 64;
+        }
     }
 }
 
@@ -734,7 +747,7 @@ fn softmax_block<K: Kernel>(
         let visible = (pos + 1).saturating_sub(first_pos).min(n);
         let s = &mut scores[r * g..r * g + n];
         s[visible..].fill(f32::NEG_INFINITY);
-        let block_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let block_max = k.max_of(s);
         if block_max == f32::NEG_INFINITY {
             s.fill(0.0);
             continue;
@@ -748,9 +761,7 @@ fn softmax_block<K: Kernel>(
                 .iter_mut()
                 .for_each(|a| *a *= alpha);
         }
-        s.iter_mut().for_each(|x| *x -= m);
-        k.exp2_in_place(s);
-        part.sum[r] += s.iter().sum::<f32>();
+        part.sum[r] += k.exp2_shifted_sum(s, m);
     }
 }
 

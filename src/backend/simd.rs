@@ -72,6 +72,12 @@ pub(crate) trait Kernel: Copy {
         let _ = bytes;
     }
 
+    /// Hints that the cache line holding `bytes[0]` will be read soon (`bytes` not empty).
+    #[inline(always)]
+    fn prefetch_line(self, bytes: &[u8]) {
+        let _ = bytes;
+    }
+
     /// Converts little-endian f16 bytes to f32.
     #[inline(always)]
     fn f16_to_f32(self, src: &[u8], out: &mut [f32]) {
@@ -94,6 +100,21 @@ pub(crate) trait Kernel: Copy {
         for x in xs.iter_mut() {
             *x = exp2_poly(self, *x);
         }
+    }
+
+    /// The largest of `xs` (`-inf` when empty or all `-inf`; no NaN expected).
+    #[inline(always)]
+    fn max_of(self, xs: &[f32]) -> f32 {
+        xs.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// `x = 2^(x - m)` in place (every `x ≤ m`), returning the sum of the results: one
+    /// softmax block's weights and their total.
+    #[inline(always)]
+    fn exp2_shifted_sum(self, xs: &mut [f32], m: f32) -> f32 {
+        xs.iter_mut().for_each(|x| *x -= m);
+        self.exp2_in_place(xs);
+        xs.iter().sum()
     }
 }
 
@@ -281,6 +302,12 @@ mod avx2 {
         }
 
         #[inline(always)]
+        fn prefetch_line(self, bytes: &[u8]) {
+            // SAFETY: a prefetch of an address inside `bytes`; it never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().cast()) }
+        }
+
+        #[inline(always)]
         unsafe fn f16x8(self, p: *const u8) -> __m256 {
             // SAFETY: see the module note; the caller guarantees 16 readable bytes.
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
@@ -330,23 +357,77 @@ mod avx2 {
                 // SAFETY: see the module note; `x8` holds exactly 8 floats.
                 unsafe {
                     let x = _mm256_loadu_ps(x8.as_ptr());
-                    let keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP2_MIN), _CMP_GE_OQ);
-                    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP2_MIN));
-                    let i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    let f = _mm256_sub_ps(x, i);
-                    let mut p = _mm256_set1_ps(EXP2_POLY[0]);
-                    for &c in &EXP2_POLY[1..] {
-                        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-                    }
-                    let y = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.0));
-                    let e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
-                    let y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e));
-                    _mm256_storeu_ps(x8.as_mut_ptr(), _mm256_and_ps(y, keep));
+                    _mm256_storeu_ps(x8.as_mut_ptr(), exp2_ps(x));
                 }
             }
             for x in chunks.into_remainder() {
                 *x = exp2_poly(self, *x);
             }
+        }
+
+        #[inline(always)]
+        fn max_of(self, xs: &[f32]) -> f32 {
+            let mut chunks = xs.chunks_exact(8);
+            // SAFETY: see the module note; each chunk holds exactly 8 floats.
+            let mut m = unsafe { _mm256_set1_ps(f32::NEG_INFINITY) };
+            for x8 in &mut chunks {
+                // SAFETY: as above.
+                m = unsafe { _mm256_max_ps(m, _mm256_loadu_ps(x8.as_ptr())) };
+            }
+            let mut lanes = [0f32; 8];
+            // SAFETY: as above; `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+            lanes
+                .into_iter()
+                .chain(chunks.remainder().iter().copied())
+                .fold(f32::NEG_INFINITY, f32::max)
+        }
+
+        #[inline(always)]
+        fn exp2_shifted_sum(self, xs: &mut [f32], m: f32) -> f32 {
+            let mut chunks = xs.chunks_exact_mut(8);
+            // SAFETY: see the module note; register-only.
+            let (shift, mut sum) = unsafe { (_mm256_set1_ps(m), _mm256_setzero_ps()) };
+            for x8 in &mut chunks {
+                // SAFETY: see the module note; `x8` holds exactly 8 floats.
+                unsafe {
+                    let y = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(x8.as_ptr()), shift));
+                    _mm256_storeu_ps(x8.as_mut_ptr(), y);
+                    sum = _mm256_add_ps(sum, y);
+                }
+            }
+            // SAFETY: see the module note; register-only.
+            let mut total = unsafe {
+                let half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+                let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
+            };
+            for x in chunks.into_remainder() {
+                *x = exp2_poly(self, *x - m);
+                total += *x;
+            }
+            total
+        }
+    }
+
+    /// `2^x` lane by lane, as [`exp2_poly`] computes it.
+    #[inline(always)]
+    fn exp2_ps(x: __m256) -> __m256 {
+        // SAFETY: see the module note; register-only, and only inlined into functions of
+        // `Avx2`, which exists only where AVX2 and FMA were detected.
+        unsafe {
+            let keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP2_MIN), _CMP_GE_OQ);
+            let x = _mm256_max_ps(x, _mm256_set1_ps(EXP2_MIN));
+            let i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            let f = _mm256_sub_ps(x, i);
+            let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+            for &c in &EXP2_POLY[1..] {
+                p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+            }
+            let y = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.0));
+            let e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
+            let y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e));
+            _mm256_and_ps(y, keep)
         }
     }
 }
@@ -480,6 +561,45 @@ mod tests {
         .map(|&c| 0.5 * c as f32 - 1.0)
         .collect();
         assert_eq!(&portable[48..80], &crumbs[..]);
+    }
+
+    /// `(max_of, exp2_shifted_sum, the shifted values)` of some scores.
+    struct SoftmaxBlock(Vec<f32>);
+    impl KernelFn<(f32, f32, Vec<f32>)> for SoftmaxBlock {
+        fn call<K: Kernel>(mut self, k: K) -> (f32, f32, Vec<f32>) {
+            let m = k.max_of(&self.0);
+            let sum = k.exp2_shifted_sum(&mut self.0, m);
+            (m, sum, self.0)
+        }
+    }
+
+    #[test]
+    fn softmax_block_primitives_agree_and_handle_tails_and_masks() {
+        // Lengths around the 8-lane width, a masked (-inf) tail, the maximum in the tail.
+        for n in [1, 7, 8, 9, 31, 32, 33] {
+            let mut xs: Vec<f32> = (0..n).map(|i| ((i * 7) % 11) as f32 * 0.75 - 4.0).collect();
+            xs[n - 1] = 9.5;
+            if n > 3 {
+                xs[1] = f32::NEG_INFINITY;
+            }
+            let want_sum: f64 = xs.iter().map(|&x| f64::from(x - 9.5).exp2()).sum();
+            for (m, sum, ys) in [
+                dispatch(SoftmaxBlock(xs.clone())),
+                SoftmaxBlock(xs.clone()).call(Portable),
+            ] {
+                assert_eq!(m, 9.5, "n = {n}");
+                assert!(
+                    ((f64::from(sum) - want_sum) / want_sum).abs() < 1e-6,
+                    "n = {n}"
+                );
+                assert_eq!(ys[n - 1], 1.0);
+                if n > 3 {
+                    assert_eq!(ys[1], 0.0);
+                }
+            }
+        }
+        let empty = dispatch(SoftmaxBlock(Vec::new()));
+        assert_eq!((empty.0, empty.1), (f32::NEG_INFINITY, 0.0));
     }
 
     struct Exp2(Vec<f32>);
