@@ -1016,15 +1016,37 @@ impl StreamBlock<'_> {
             Format::Chan { .. } => {
                 // Convert the (scale, min) pairs, then de-interleave into the codes' order:
                 // scales, then minimums.
-                let order = Order::of(self.format);
                 out.resize(4 * d, 0.0);
                 let (planar, pairs) = out.split_at_mut(2 * d);
                 k.f16_to_f32(&self.params[..4 * d], pairs);
-                for (c, sm) in pairs.chunks_exact(2).enumerate() {
-                    let p = order.position(c);
-                    (planar[p], planar[d + p]) = (sm[0], sm[1]);
+                let (scales, mins) = planar.split_at_mut(d);
+                match Order::of(self.format) {
+                    Order::Natural => deinterleave::<1>(pairs, scales, mins),
+                    Order::Nibbles => deinterleave::<2>(pairs, scales, mins),
+                    Order::Crumbs => deinterleave::<4>(pairs, scales, mins),
                 }
                 out.truncate(2 * d);
+            }
+        }
+    }
+}
+
+/// Splits `(scale, min)` pairs in natural channel order into scales and minimums in the order
+/// that decodes `LANES` vectors of 8 per load (1: [`Order::Natural`], 2: [`Order::Nibbles`],
+/// 4: [`Order::Crumbs`]): in each chunk of `8 · LANES` channels, position `8j + i` holds
+/// channel `LANES · i + j`. Straight-line copies, as this runs once per page.
+#[inline(always)]
+fn deinterleave<const LANES: usize>(pairs: &[f32], scales: &mut [f32], mins: &mut [f32]) {
+    let chunk = 8 * LANES;
+    for ((src, s), m) in pairs
+        .chunks_exact(2 * chunk)
+        .zip(scales.chunks_exact_mut(chunk))
+        .zip(mins.chunks_exact_mut(chunk))
+    {
+        for j in 0..LANES {
+            for i in 0..8 {
+                let c = LANES * i + j;
+                (s[8 * j + i], m[8 * j + i]) = (src[2 * c], src[2 * c + 1]);
             }
         }
     }
@@ -1270,4 +1292,35 @@ fn dense_value<K: Kernel, R: Rows>(k: K, rows: &R, order: Order, t: usize, c: us
     // `CHUNK`, so `c0` is one and `p - p % 8 + 8 <= d`.
     k.store(unsafe { rows.row8(k, t, c0, (p - c0) / 8) }, &mut lanes);
     lanes[p % 8]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deinterleaved_parameters_follow_each_order() {
+        let d = 128;
+        let pairs: Vec<f32> = (0..2 * d).map(|i| i as f32).collect();
+        for (order, split) in [
+            (
+                Order::Natural,
+                deinterleave::<1> as fn(&[f32], &mut [f32], &mut [f32]),
+            ),
+            (Order::Nibbles, deinterleave::<2>),
+            (Order::Crumbs, deinterleave::<4>),
+        ] {
+            let (mut scales, mut mins) = (vec![0f32; d], vec![0f32; d]);
+            split(&pairs, &mut scales, &mut mins);
+            for c in 0..d {
+                let p = order.position(c);
+                assert_eq!(order.channel(p), c);
+                assert_eq!(
+                    (scales[p], mins[p]),
+                    (pairs[2 * c], pairs[2 * c + 1]),
+                    "{order:?} {c}"
+                );
+            }
+        }
+    }
 }
