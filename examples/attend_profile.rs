@@ -1,0 +1,101 @@
+//! Decode attention on the CPU over one sequence, repeated: the program behind the instruction
+//! counts and the compute-versus-memory figures in `docs/performance.md`.
+//!
+//! ```text
+//! cargo run --release --example attend_profile -- SCHEMES [CONTEXT] [CALLS] [SEQUENCES]
+//! ```
+//!
+//! `SCHEMES` is separated by `;`. For each scheme it fills `SEQUENCES` sequences of `CONTEXT`
+//! tokens (8 KV heads × GQA 4 × head_dim 128, RoPE, synthetic tokens as `hipkv bench` uses) and
+//! makes `CALLS` single-token `attend` calls on sequence 0, which stays in cache when it is
+//! small. With more than one sequence, each of those calls is followed by one on the next of
+//! the other sequences in turn, which come from DRAM when they are many: equal times mean the
+//! kernel is bound by its arithmetic, not by memory. Times are ns per token and KV head.
+//!
+//! Instructions per token and KV head, counting only the attention kernels:
+//!
+//! ```text
+//! RAYON_NUM_THREADS=1 valgrind --tool=callgrind --toggle-collect='*with_avx2*' \
+//!     target/release/examples/attend_profile q4_tok 1024 3
+//! ```
+//!
+//! then divide the instruction count by `CALLS × CONTEXT × 8`.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use hipkv::synth::{Rng, TokenPool};
+use hipkv::{CacheConfig, KvCache, Rope, RopeLayout, Scheme};
+
+const KV_HEADS: usize = 8;
+const GQA: usize = 4;
+const HEAD_DIM: usize = 128;
+
+fn arg(i: usize, default: usize) -> usize {
+    std::env::args().nth(i).map_or(default, |s| {
+        s.parse()
+            .unwrap_or_else(|_| panic!("argument {i}: `{s}` is not a count"))
+    })
+}
+
+/// Minimum and median of `times` (seconds per call), in ns per token and KV head.
+fn summary(times: &mut [f64], context: usize) -> (f64, f64) {
+    times.sort_by(f64::total_cmp);
+    let per = |t: f64| t * 1e9 / (context * KV_HEADS) as f64;
+    (per(times[0]), per(times[times.len() / 2]))
+}
+
+fn main() -> hipkv::Result<()> {
+    let schemes = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "q8;q4_tok;q2_tok;kivi4;kivi2".to_string());
+    let (context, calls, sequences) = (arg(2, 2048), arg(3, 4).max(1), arg(4, 1).max(1));
+    let pool = TokenPool::new(&mut Rng::new(1), 512, KV_HEADS, HEAD_DIM);
+    let q = Rng::new(2).normals(KV_HEADS * GQA * HEAD_DIM);
+    let mut out = vec![0f32; q.len()];
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    for name in schemes.split(';') {
+        let scheme: Scheme = name.parse()?;
+        let mut cache = KvCache::new(CacheConfig {
+            layers: 1,
+            sequences,
+            kv_heads: KV_HEADS,
+            q_heads: KV_HEADS * GQA,
+            head_dim: HEAD_DIM,
+            capacity: context,
+            scheme,
+            rope: Some(Rope {
+                base: 10_000.0,
+                layout: RopeLayout::Interleaved,
+            }),
+        })?;
+        if scheme.outliers.is_some() {
+            let (k, v) = pool.first(context.min(512));
+            cache.calibrate_outliers(0, k, v, 0)?;
+        }
+        for seq in 0..sequences {
+            pool.fill(&mut cache, 0, seq, context, 512, 37 * seq)?;
+        }
+        let (mut cached, mut rotating) = (Vec::new(), Vec::new());
+        for call in 0..calls {
+            let start = Instant::now();
+            cache.attend(0, 0, black_box(&q), scale, &mut out)?;
+            cached.push(start.elapsed().as_secs_f64());
+            if sequences > 1 {
+                let seq = 1 + call % (sequences - 1);
+                let start = Instant::now();
+                cache.attend(0, seq, black_box(&q), scale, &mut out)?;
+                rotating.push(start.elapsed().as_secs_f64());
+            }
+            black_box(&out);
+        }
+        let (min, median) = summary(&mut cached, context);
+        print!("{name:10} sequence 0: min {min:6.1} median {median:6.1}");
+        if !rotating.is_empty() {
+            let (min, median) = summary(&mut rotating, context);
+            print!("   rotating: min {min:6.1} median {median:6.1}");
+        }
+        println!("   ns per token and KV head");
+    }
+    Ok(())
+}
