@@ -69,7 +69,9 @@ pub(crate) trait Kernel: Copy {
     /// prefetchers stop at 4 KiB boundaries, so attention fetches the next block ahead.
     #[inline(always)]
     fn prefetch(self, bytes: &[u8]) {
-        let _ = bytes;
+        for at in (0..bytes.len()).step_by(64) {
+            self.prefetch_line(&bytes[at..]);
+        }
     }
 
     /// Hints that the cache line holding `bytes[0]` will be read soon (`bytes` not empty).
@@ -290,15 +292,6 @@ mod avx2 {
         #[inline(always)]
         fn fma(self, a: f32, b: f32, c: f32) -> f32 {
             a.mul_add(b, c)
-        }
-
-        #[inline(always)]
-        fn prefetch(self, bytes: &[u8]) {
-            let p = bytes.as_ptr();
-            for at in (0..bytes.len()).step_by(64) {
-                // SAFETY: a prefetch of an address inside `bytes`; it never faults.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at).cast()) }
-            }
         }
 
         #[inline(always)]
