@@ -24,12 +24,15 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use hipkv::Scheme;
 use hipkv::synth::{Rng, TokenPool};
-use hipkv::{CacheConfig, KvCache, Rope, RopeLayout, Scheme};
 
-const KV_HEADS: usize = 8;
-const GQA: usize = 4;
-const HEAD_DIM: usize = 128;
+/// The criterion benchmarks' shape and cache construction.
+#[path = "../benches/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use common::{GQA, HEAD_DIM, KV_HEADS};
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args().nth(i).map_or(default, |s| {
@@ -56,23 +59,7 @@ fn main() -> hipkv::Result<()> {
     let scale = 1.0 / (HEAD_DIM as f32).sqrt();
     for name in schemes.split(';') {
         let scheme: Scheme = name.parse()?;
-        let mut cache = KvCache::new(CacheConfig {
-            layers: 1,
-            sequences,
-            kv_heads: KV_HEADS,
-            q_heads: KV_HEADS * GQA,
-            head_dim: HEAD_DIM,
-            capacity: context,
-            scheme,
-            rope: Some(Rope {
-                base: 10_000.0,
-                layout: RopeLayout::Interleaved,
-            }),
-        })?;
-        if scheme.outliers.is_some() {
-            let (k, v) = pool.first(context.min(512));
-            cache.calibrate_outliers(0, k, v, 0)?;
-        }
+        let mut cache = common::caches(scheme, context, sequences, &pool);
         for seq in 0..sequences {
             pool.fill(&mut cache, 0, seq, context, 512, 37 * seq)?;
         }

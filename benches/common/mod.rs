@@ -19,9 +19,19 @@ pub fn schemes() -> Vec<Scheme> {
 /// A one-layer, one-sequence cache with RoPE (as `hipkv bench` builds), calibrated from `pool`
 /// when the scheme stores outliers.
 pub fn cache(scheme: Scheme, capacity: usize, pool: &hipkv::synth::TokenPool) -> KvCache {
+    caches(scheme, capacity, 1, pool)
+}
+
+/// As [`cache`], with `sequences` sequences.
+pub fn caches(
+    scheme: Scheme,
+    capacity: usize,
+    sequences: usize,
+    pool: &hipkv::synth::TokenPool,
+) -> KvCache {
     let mut cache = KvCache::new(CacheConfig {
         layers: 1,
-        sequences: 1,
+        sequences,
         kv_heads: KV_HEADS,
         q_heads: KV_HEADS * GQA,
         head_dim: HEAD_DIM,
