@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{assert_rows_close, config, fill, naive_attend, rel_err, with_rope};
+use common::{assert_rows_close, config, fill, naive_attend, queries, rel_err, with_rope};
 use hipkv::scheme::PRESETS;
 use hipkv::synth::Rng;
 use hipkv::{KvCache, RopeLayout};
@@ -109,12 +109,7 @@ fn batched_sequences_of_different_lengths() {
     let width = cfg.q_heads * cfg.head_dim;
     let qs: Vec<Vec<f32>> = lens.iter().map(|_| rng.normals(width)).collect();
     let mut outs = vec![vec![0f32; width]; 3];
-    let mut queries: Vec<hipkv::Query> = outs
-        .iter_mut()
-        .zip(&qs)
-        .enumerate()
-        .map(|(seq, (out, q))| hipkv::Query { seq, q, out })
-        .collect();
+    let mut queries = queries(&qs, &mut outs);
     cache.attend_many(0, &mut queries, 0.125).unwrap();
     for (s, (out, q)) in outs.iter().zip(&qs).enumerate() {
         assert!(

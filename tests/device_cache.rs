@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_rows_close, config, naive_attend, with_rope};
+use common::{assert_rows_close, config, naive_attend, queries, with_rope};
 use hipkv::backend::HipStatus;
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, Error, KvCache, Query, RopeLayout};
@@ -65,12 +65,7 @@ fn a_device_cache_stores_and_attends_as_the_cpu_cache() {
                     .map(|_| rng.normals(cfg.q_heads * cfg.head_dim))
                     .collect();
                 let mut outs = vec![vec![0f32; cfg.q_heads * cfg.head_dim]; 3];
-                let mut queries: Vec<Query> = outs
-                    .iter_mut()
-                    .zip(&qs)
-                    .enumerate()
-                    .map(|(seq, (out, q))| Query { seq, q, out })
-                    .collect();
+                let mut queries = queries(&qs, &mut outs);
                 dev.attend_many(1, &mut queries, 0.125).unwrap();
                 for (seq, (out, q)) in outs.iter().zip(&qs).enumerate() {
                     let mut want = vec![0f32; q.len()];

@@ -6,9 +6,9 @@
 
 mod common;
 
-use common::{assert_rows_close, config, fill, naive_attend, with_rope};
+use common::{assert_rows_close, config, fill, naive_attend, queries, with_rope};
 use hipkv::synth::Rng;
-use hipkv::{Backend, CacheConfig, KvCache, Query, RopeLayout};
+use hipkv::{Backend, CacheConfig, KvCache, RopeLayout};
 
 /// The kernels compute what the reference computes up to summation order, the `log2(e)` folding
 /// of the softmax and the per-group folding of scales and minimums: within 1e-5 of each output
@@ -36,12 +36,7 @@ fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
     let width = cfg.q_heads * cfg.head_dim;
     let qs: Vec<Vec<f32>> = lens.iter().map(|_| rng.normals(width)).collect();
     let mut outs = vec![vec![0f32; width]; lens.len()];
-    let mut queries: Vec<Query> = outs
-        .iter_mut()
-        .zip(&qs)
-        .enumerate()
-        .map(|(seq, (out, q))| Query { seq, q, out })
-        .collect();
+    let mut queries = queries(&qs, &mut outs);
     let scale = 1.0 / (cfg.head_dim as f32).sqrt();
     cache.attend_many(0, &mut queries, scale).unwrap();
     for (s, (out, q)) in outs.iter().zip(&qs).enumerate() {

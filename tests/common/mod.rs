@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use hipkv::synth::Rng;
-use hipkv::{Backend, CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
+use hipkv::{Backend, CacheConfig, KvCache, Query, Rope, RopeLayout, RopeTable, Scheme};
 
 pub fn config(
     scheme: &str,
@@ -63,6 +63,15 @@ pub fn fill(
 
 /// Naive attention over the dequantized cache: f64 softmax of `scale · q·k` over every key up to
 /// the query's position. `q` is unrotated; it is rotated here exactly as the cache rotates it.
+/// One decode query per sequence: sequence `i` attends with `qs[i]` into `outs[i]`.
+pub fn queries<'a>(qs: &'a [Vec<f32>], outs: &'a mut [Vec<f32>]) -> Vec<Query<'a>> {
+    outs.iter_mut()
+        .zip(qs)
+        .enumerate()
+        .map(|(seq, (out, q))| Query { seq, q, out })
+        .collect()
+}
+
 pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f32> {
     let c = *cache.config();
     let (h, d, r) = (c.kv_heads, c.head_dim, c.gqa());
