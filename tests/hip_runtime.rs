@@ -8,9 +8,10 @@ use hipkv::backend::HipStatus;
 use hipkv::hip::{DeviceBuffer, Event, Module, Stream};
 use hipkv::{Backend, CacheConfig, Error, KvCache};
 
-fn required() -> bool {
-    std::env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1")
-}
+#[path = "common/toolchain.rs"]
+mod toolchain;
+
+use toolchain::required;
 
 #[test]
 fn the_runtime_opens_finds_no_gpu_and_the_cpu_is_chosen() {
@@ -21,8 +22,8 @@ fn the_runtime_opens_finds_no_gpu_and_the_cpu_is_chosen() {
     assert_eq!(why.is_none(), status.usable_device().is_some(), "{why:?}");
     match &status.runtime {
         Err(Error::HipUnavailable(e)) if !required() => {
-            eprintln!("skipped: no HIP runtime here ({e})");
             assert!(!e.tried.is_empty());
+            toolchain::skip("the HIP runtime checks", e);
         }
         Err(e) => panic!("HIPKV_REQUIRE_HIP=1 but the HIP runtime did not answer: {e}"),
         Ok(found) => {
@@ -54,10 +55,7 @@ fn the_runtime_opens_finds_no_gpu_and_the_cpu_is_chosen() {
 fn device_resources_are_typed_errors_without_a_gpu() {
     let found = match hipkv::hip::Devices::probe() {
         Ok(found) => found,
-        Err(e) if !required() => {
-            eprintln!("skipped: no HIP runtime here ({e})");
-            return;
-        }
+        Err(e) if !required() => return toolchain::skip("the HIP runtime's typed errors", e),
         Err(e) => panic!("HIPKV_REQUIRE_HIP=1 but the HIP runtime did not answer: {e}"),
     };
     if found.devices.is_empty() {

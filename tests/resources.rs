@@ -3,12 +3,14 @@
 //! embedded kernels (no HIP compiler at build time) the checks are skipped and say why, unless
 //! `HIPKV_REQUIRE_HIP=1`, which makes that a failure.
 
-use std::io::Write as _;
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use hipkv::codeobj::{KernelResources, embedded_kernels, resource_table};
 use hipkv::kernels::{append_kernel_name, attention_kernel_name, code_objects, gpu_build_skipped};
 use hipkv::scheme::HEAD_DIMS;
+
+#[path = "common/toolchain.rs"]
+mod toolchain;
 
 /// Every storage format, by its scheme spelling.
 const FORMATS: [&str; 7] = [
@@ -18,21 +20,16 @@ const FORMATS: [&str; 7] = [
 const MIN_DECODE_WAVES: u32 = 8;
 const ARCH: &str = "gfx1201";
 
-/// The gfx1201 kernels, or `None` (after saying why) when the build embedded none.
+/// The gfx1201 kernels, or `None` (after saying why, once per run) when the build embedded none.
 fn gfx1201_kernels() -> Option<Vec<KernelResources>> {
     let skip = |why: String| {
-        if std::env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1") {
-            panic!("HIPKV_REQUIRE_HIP=1 but {why}");
-        }
-        // Straight to stderr, past the test harness's capture of passing tests' output, once
-        // per run (on lines of its own: the harness may be midway through a line).
-        static SAID: Once = Once::new();
-        SAID.call_once(|| {
-            let _ = writeln!(
-                std::io::stderr(),
-                "\nSKIPPED: the {ARCH} resource checks of tests/resources.rs: {why}\n"
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if toolchain::required() || !SAID.swap(true, Ordering::Relaxed) {
+            toolchain::skip(
+                &format!("the {ARCH} resource checks of tests/resources.rs"),
+                why,
             );
-        });
+        }
         None
     };
     if code_objects().is_empty() {

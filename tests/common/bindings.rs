@@ -2,19 +2,27 @@
 
 use std::path::Path;
 
-/// Compares `fresh` (bindgen's output, or why it could not run) with the committed file at
-/// `relative` (from the crate root); `HIPKV_BLESS=1` writes it instead. Without bindgen's
-/// prerequisites the check is skipped, unless `HIPKV_REQUIRE_HIP=1`.
-pub fn check_committed(relative: &str, fresh: Result<String, String>, regen: &str) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
-    let fresh = match fresh {
+use crate::toolchain;
+
+/// Compares what `generate` makes (bindgen's output, or why it could not run) with the
+/// committed file at `relative` (from the crate root); `HIPKV_BLESS=1` writes it instead.
+/// Without libclang, or without what `generate` reads, the check is skipped (see
+/// [`toolchain::skip`]).
+pub fn check_committed(
+    relative: &str,
+    generate: impl FnOnce() -> Result<String, String>,
+    regen: &str,
+) {
+    let what = format!("the staleness check of {relative}");
+    // bindgen panics when it cannot load libclang: look for it first, as bindgen would.
+    if let Err(e) = clang_sys::load() {
+        return toolchain::skip(&what, format!("no libclang ({e})"));
+    }
+    let fresh = match generate() {
         Ok(fresh) => fresh,
-        Err(e) if std::env::var("HIPKV_REQUIRE_HIP").as_deref() != Ok("1") => {
-            eprintln!("skipped: cannot generate {relative} here ({e})");
-            return;
-        }
-        Err(e) => panic!("HIPKV_REQUIRE_HIP=1 but {relative} cannot be generated: {e}"),
+        Err(e) => return toolchain::skip(&what, e),
     };
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
     if std::env::var("HIPKV_BLESS").as_deref() == Ok("1") {
         std::fs::write(&path, &fresh).unwrap_or_else(|e| panic!("write {relative}: {e}"));
         return;
