@@ -8,6 +8,7 @@ pub mod backend;
 pub mod cache;
 pub mod codeobj;
 pub mod error;
+#[cfg(feature = "eval")]
 pub mod eval;
 pub mod hip;
 pub mod kernels;
