@@ -12,14 +12,15 @@
 //! the other sequences in turn, which come from DRAM when they are many: equal times mean the
 //! kernel is bound by its arithmetic, not by memory. Times are ns per token and KV head.
 //!
-//! Instructions per token and KV head, counting only the attention kernels:
+//! Instructions per token and KV head of one `attend` call: count the whole program at two
+//! call counts, so that filling the cache and everything else but the calls cancels out,
 //!
 //! ```text
-//! RAYON_NUM_THREADS=1 valgrind --tool=callgrind --toggle-collect='*with_avx2*' \
-//!     target/release/examples/attend_profile q4_tok 1024 3
+//! RAYON_NUM_THREADS=1 valgrind --tool=callgrind target/release/examples/attend_profile q4_tok 1024 2
+//! RAYON_NUM_THREADS=1 valgrind --tool=callgrind target/release/examples/attend_profile q4_tok 1024 5
 //! ```
 //!
-//! then divide the instruction count by `CALLS × CONTEXT × 8`.
+//! and divide the difference of the two totals by `3 × CONTEXT × 8`.
 
 use std::hint::black_box;
 use std::time::Instant;

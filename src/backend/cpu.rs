@@ -318,6 +318,31 @@ fn combine(parts: &[&Partial], row: usize, d: usize, out: &mut [f32]) {
     out.iter_mut().for_each(|o| *o *= inv);
 }
 
+/// Evaluates `$body` with `$d` (a validated head_dim) as the constant `$dc`, one copy per
+/// entry of [`crate::scheme::HEAD_DIMS`]: the loops of a block are built once per head_dim, so
+/// their channel loops have constant trip counts that the compiler unrolls and folds into
+/// addresses.
+macro_rules! with_head_dim {
+    ($d:expr, |$dc:ident| $body:expr) => {{
+        const _: () = assert!(matches!(crate::scheme::HEAD_DIMS, [64, 128, 256]));
+        match $d {
+            64 => {
+                const $dc: usize = 64;
+                $body
+            }
+            128 => {
+                const $dc: usize = 128;
+                $body
+            }
+            256 => {
+                const $dc: usize = 256;
+                $body
+            }
+            d => unreachable!("head_dim {d} passed CacheConfig's check against HEAD_DIMS"),
+        }
+    }};
+}
+
 struct RunItem<'v, 'a> {
     view: &'v CacheView<'a>,
     blocks: &'v [Block<'a>],
@@ -327,14 +352,13 @@ struct RunItem<'v, 'a> {
 impl KernelFn<Partial> for RunItem<'_, '_> {
     #[inline(always)]
     fn call<K: Kernel>(self, k: K) -> Partial {
-        // One copy per supported head_dim, so that the channel loops have constant trip
-        // counts: the compiler unrolls them and folds the channel offsets into addresses.
-        match self.view.config.head_dim {
-            64 => run_item(k, self.view, self.blocks, self.hq, 64),
-            128 => run_item(k, self.view, self.blocks, self.hq, 128),
-            256 => run_item(k, self.view, self.blocks, self.hq, 256),
-            d => run_item(k, self.view, self.blocks, self.hq, d),
-        }
+        with_head_dim!(self.view.config.head_dim, |D| run_item(
+            k,
+            self.view,
+            self.blocks,
+            self.hq,
+            D
+        ))
     }
 }
 
@@ -695,6 +719,7 @@ fn correct_scores<K: Kernel, R: Rows>(
 /// loop over the current block (its few parameter lines at once): pages are scattered in the
 /// pool and hardware prefetchers stop at 4 KiB boundaries, and one burst of every line at the
 /// start of a block stalls the core on its miss buffers instead.
+#[derive(Clone, Copy)]
 struct Prefetch<'a> {
     rows: &'a [u8],
     /// Offset of the next line to fetch.
@@ -1095,6 +1120,55 @@ fn score_block<K: Kernel, R: Rows>(
     g: usize,
     prefetch: &mut Prefetch<'_>,
 ) {
+    struct Loop<'s, 'p, R, const D: usize> {
+        rows: &'s R,
+        n: usize,
+        q: &'s [f32],
+        scores: &'s mut [f32],
+        g: usize,
+        prefetch: &'s mut Prefetch<'p>,
+    }
+    impl<R: Rows, const D: usize> KernelFn<()> for Loop<'_, '_, R, D> {
+        #[inline(always)]
+        fn call<K: Kernel>(self, k: K) {
+            // A copy the loops keep in registers, not behind the caller's pointer.
+            let mut prefetch = *self.prefetch;
+            score_loop(
+                k,
+                self.rows,
+                self.n,
+                D,
+                self.q,
+                self.scores,
+                self.g,
+                &mut prefetch,
+            );
+            *self.prefetch = prefetch;
+        }
+    }
+    with_head_dim!(d, |D| k.run(Loop::<R, D> {
+        rows,
+        n,
+        q,
+        scores,
+        g,
+        prefetch
+    }));
+}
+
+/// [`score_block`]'s loops, for `d` a constant.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn score_loop<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    scores: &mut [f32],
+    g: usize,
+    prefetch: &mut Prefetch<'_>,
+) {
     for_row_groups!(q.len() / d, |r0, QR| score_rows::<K, R, QR>(
         k, rows, n, d, q, r0, scores, g, prefetch
     ));
@@ -1186,6 +1260,54 @@ fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn accumulate_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    acc: &mut [f32],
+    prefetch: &mut Prefetch<'_>,
+) {
+    struct Loop<'s, 'p, R, const D: usize> {
+        rows: &'s R,
+        n: usize,
+        w: &'s [f32],
+        g: usize,
+        acc: &'s mut [f32],
+        prefetch: &'s mut Prefetch<'p>,
+    }
+    impl<R: Rows, const D: usize> KernelFn<()> for Loop<'_, '_, R, D> {
+        #[inline(always)]
+        fn call<K: Kernel>(self, k: K) {
+            let mut prefetch = *self.prefetch;
+            accumulate_loop(
+                k,
+                self.rows,
+                self.n,
+                D,
+                self.w,
+                self.g,
+                self.acc,
+                &mut prefetch,
+            );
+            *self.prefetch = prefetch;
+        }
+    }
+    with_head_dim!(d, |D| k.run(Loop::<R, D> {
+        rows,
+        n,
+        w,
+        g,
+        acc,
+        prefetch
+    }));
+}
+
+/// [`accumulate_block`]'s loops, for `d` a constant.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn accumulate_loop<K: Kernel, R: Rows>(
     k: K,
     rows: &R,
     n: usize,

@@ -12,6 +12,13 @@ pub(crate) trait Kernel: Copy {
     /// Eight f32 lanes.
     type V: Copy;
 
+    /// Runs `f` as a function of its own, compiled for this arithmetic's instruction set.
+    ///
+    /// The attention loops enter one per (format, head_dim, loop), so each is unrolled for
+    /// its constants without every copy landing in one giant function: code the compiler
+    /// optimizes in a few seconds, not minutes, at one call per block of tokens.
+    fn run<R, F: KernelFn<R>>(self, f: F) -> R;
+
     fn splat(self, x: f32) -> Self::V;
     /// Stores into `out[..8]`.
     #[inline(always)]
@@ -157,6 +164,11 @@ pub(crate) struct Portable;
 impl Kernel for Portable {
     type V = [f32; 8];
 
+    #[inline(never)]
+    fn run<R, F: KernelFn<R>>(self, f: F) -> R {
+        f.call(self)
+    }
+
     #[inline(always)]
     fn splat(self, x: f32) -> [f32; 8] {
         [x; 8]
@@ -232,12 +244,24 @@ pub(crate) struct Avx2(());
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Avx2, EXP2_MIN, EXP2_POLY, Kernel, exp2_poly};
+    use super::{Avx2, EXP2_MIN, EXP2_POLY, Kernel, KernelFn, exp2_poly};
 
     // SAFETY (every `unsafe` block below): a value of `Avx2` exists only after AVX2, FMA and
     // F16C were detected on this CPU (see `dispatch`); memory is accessed only where the caller
     // of an `unsafe fn` guarantees it may be, or inside a slice whose length is checked first.
     impl Kernel for Avx2 {
+        #[inline(always)]
+        fn run<R, F: KernelFn<R>>(self, f: F) -> R {
+            // Not inlined: a caller with the same features would otherwise take it back in.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            #[inline(never)]
+            fn with_avx2<R, F: KernelFn<R>>(k: Avx2, f: F) -> R {
+                f.call(k)
+            }
+            // SAFETY: `self` proves that this CPU has what `with_avx2` enables.
+            unsafe { with_avx2(self, f) }
+        }
+
         type V = __m256;
 
         #[inline(always)]
@@ -435,17 +459,11 @@ pub(crate) trait KernelFn<R> {
 #[inline]
 pub(crate) fn dispatch<R, F: KernelFn<R>>(f: F) -> R {
     #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        fn with_avx2<R, F: KernelFn<R>>(f: F) -> R {
-            f.call(Avx2(()))
-        }
-        if avx2_enabled() {
-            // SAFETY: `avx2_enabled` checked that this CPU has what `with_avx2` enables.
-            return unsafe { with_avx2(f) };
-        }
+    if avx2_enabled() {
+        // `avx2_enabled` checked that this CPU has what `Avx2` stands for.
+        return Avx2(()).run(f);
     }
-    f.call(Portable)
+    Portable.run(f)
 }
 
 /// Whether the AVX2/FMA/F16C kernels run here (detected once).
