@@ -60,7 +60,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
 
-    build_emulator();
+    build_emulator(&out);
 
     let require = env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1");
     let archs = archs();
@@ -231,10 +231,12 @@ fn write_code_objects(out: &Path, objects: &[(String, Vec<PathBuf>)], skipped: O
 }
 
 /// The emulator: the kernel sources compiled for the host with `HIPKV_EMU`, plus its runtime.
-fn build_emulator() {
-    let mut build = cc::Build::new();
-    build
-        .cpp(true)
+/// As for the GPU, each kernel source is compiled once per head_dim (`HIPKV_HEAD_DIM`), the
+/// units concurrently: one compiler run over every instance of `attention.hip` takes most of
+/// a minute.
+fn build_emulator(out: &Path) {
+    let mut base = cc::Build::new();
+    base.cpp(true)
         .std("c++17")
         .include("hip/include")
         .define("HIPKV_EMU", None)
@@ -242,19 +244,39 @@ fn build_emulator() {
         .warnings(true)
         .extra_warnings(true)
         .flag_if_supported("-Wno-unused-parameter")
-        .flag_if_supported("-fno-exceptions");
-    for src in EMU_SOURCES {
-        build.file(src);
-    }
-    for src in KERNEL_SOURCES {
+        .flag_if_supported("-fno-exceptions")
         // `.hip` files are C++ for the host compiler.
-        build.file(src).flag_if_supported("-xc++");
+        .flag_if_supported("-xc++")
+        .cargo_metadata(false);
+    let mut units: Vec<(String, Vec<&str>, Option<u32>)> =
+        vec![("emu".into(), EMU_SOURCES.to_vec(), None)];
+    for src in KERNEL_SOURCES {
+        let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
+        for d in HEAD_DIMS {
+            units.push((format!("{stem}.d{d}"), vec![*src], Some(d)));
+        }
     }
+    let objects: Vec<PathBuf> = std::thread::scope(|scope| {
+        let handles: Vec<_> = units
+            .iter()
+            .map(|(name, sources, head_dim)| {
+                let mut build = base.clone();
+                build.out_dir(out.join("emu").join(name)).files(sources);
+                if let Some(d) = head_dim {
+                    build.define("HIPKV_HEAD_DIM", d.to_string().as_str());
+                }
+                scope.spawn(move || build.compile_intermediates())
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("emulator compile thread"))
+            .collect()
+    });
     // Kernels register themselves with the emulator from static initializers and nothing else
     // refers to them, so the whole archive is linked, not just the objects Rust calls into.
-    build.cargo_metadata(false).compile("hipkv_emu");
-    let out = env::var("OUT_DIR").expect("cargo sets OUT_DIR");
-    println!("cargo:rustc-link-search=native={out}");
+    base.objects(objects).compile("hipkv_emu");
+    println!("cargo:rustc-link-search=native={}", out.display());
     println!("cargo:rustc-link-lib=static:+whole-archive=hipkv_emu");
     println!("cargo:rustc-link-lib=dylib=stdc++");
     println!("cargo:rustc-cfg=hipkv_emu");
