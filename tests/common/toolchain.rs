@@ -21,9 +21,9 @@ pub fn skip(what: &str, why: impl Display) {
     if required() {
         panic!("HIPKV_REQUIRE_HIP=1 but {what} cannot run: {why}");
     }
-    // Lines of their own: the harness may be midway through one.
-    let _ = writeln!(
-        std::io::stderr().lock(),
-        "\nSKIPPED {what}: {why}; {INSTALL} (HIPKV_REQUIRE_HIP=1 makes this a failure)"
-    );
+    // One write of whole lines: the harness prints to stdout from other threads meanwhile,
+    // and a line written in pieces would be cut by its `ok`s where both go to one pipe.
+    let line =
+        format!("\nSKIPPED {what}: {why}; {INSTALL} (HIPKV_REQUIRE_HIP=1 makes this a failure)\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
