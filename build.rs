@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 /// Kernel sources, compiled for the GPU and for the emulator.
-const KERNEL_SOURCES: &[&str] = &["hip/attention.hip", "hip/quantize.hip"];
+const KERNEL_SOURCES: &[&str] = &["hip/attention.hip", "hip/write.hip"];
 /// Headers every kernel includes.
 const HEADERS: &[&str] = &[
     "hip/include/hipkv_abi.h",

@@ -1,17 +1,21 @@
-// Split-K decode attention over a quantized paged KV cache, dequantizing inside the loop, and the
-// combine kernel that merges the splits. One template serves every key format × value format ×
-// head_dim; `docs/kernels.md` describes the design.
+// Decode and chunked-prefill attention over a quantized paged KV cache, dequantizing inside the
+// loop; the kernel that prepares the queries and the one that merges the splits. One template
+// serves every key format × value format × head_dim; `docs/kernels.md` describes the design.
 //
-// Grid (splits, kv_heads × row groups, queries); one wave32 per workgroup. The workgroup of
-// (query, KV head, row group, split) computes up to 8 query heads of the GQA group, so each
-// cached byte is read once for GQA ≤ 8 (twice for GQA 9–16):
-//   score:  lane i takes token i of a 32-token run and dots its key with all query rows; the
-//           queries are wave-uniform, read through the scalar cache;
-//   softmax: online, base 2 (log2 e is folded into q by the host), f32 state per row;
+// Grid (num_seqs × tiles_per_seq, kv_heads, splits); one to HIPKV_MAX_WAVES waves per
+// workgroup. A workgroup takes a tile of query rows (token × GQA head, token-major) of one
+// sequence and KV head, and one split of its blocks: wave w computes rows
+// [w·HIPKV_ROWS, (w + 1)·HIPKV_ROWS) of the tile, each row attending causally up to its
+// token's position. The waves of a tile read the same blocks at about the same time, so a
+// cached byte comes from memory once per tile (the siblings' reads hit the CU's caches), and at
+// most ⌈q_len·gqa / tile rows⌉ times per chunk. Per wave:
+//   score:  lane i takes token i of a 32-token run and dots its key with all the wave's rows;
+//   softmax: online, base 2 (log2 e is folded into q by hipkv_attn_prep), f32 state per row;
 //   values: lane i owns head_dim/32 channels and accumulates every row over the run's tokens,
-//           with the weights shared through LDS.
+//           with the weights shared through LDS (the wave's own part; waves never wait for
+//           each other).
 // Per-token scales are applied once per token and group, not per element: q8/q8_0 keys scale the
-// dot product, per-token low-bit keys use the host's per-group query sums for the minimum
+// dot product, per-token low-bit keys use the prepared per-group query sums for the minimum
 // (x = min + s·q  =>  q·x = s·(q·codes) + min·Σq); values fold the scale into the weight and sum
 // the minimum separately. Sparse outliers are added as corrections `exact − dense`.
 #include "hipkv_device.h"
@@ -19,7 +23,7 @@
 
 namespace hipkv {
 
-// Query rows one workgroup computes at head_dim D.
+// Query rows one wave computes at head_dim D.
 template <int D>
 constexpr int kRows = HIPKV_ROWS(D);
 constexpr float kNegInf = -__builtin_huge_valf();
@@ -28,12 +32,22 @@ constexpr float kNegInf = -__builtin_huge_valf();
 struct StreamView {
     const uint8_t *rows;
     uint32_t row_bytes;
-    const uint8_t *params;   // per-token formats: starting at the run's first token's page
-    const uint8_t *counts;   // outlier counts (u16 per token), null without a store
-    const uint8_t *slots;    // outlier slots {u16 channel, f16 value}
-    uint32_t cap;            // slots per token
+    const uint8_t *params;   // per-token formats: starting at the block's first row
     uint32_t group;          // channels per parameter group (per-token formats)
+    // Outlier slots per row (0: no outlier store, as for f16 rows). Where the store is, its
+    // counts and slots are found from the kernel's arguments (`outlier_counts`): pointers to
+    // them held through the loops would take scalar registers the kernel has none to spare of.
+    uint32_t cap;
 };
+
+// The outlier counts (u16 per row) and slots ({u16 channel, f16 value}, `cap` per row) of a
+// block stream `s` with layout `l`.
+HIPKV_DEV const uint8_t *outlier_counts(const StreamView &s, const hipkv_stream_layout &l) {
+    return s.rows - l.rows + l.counts;
+}
+HIPKV_DEV const uint8_t *outlier_slots(const StreamView &s, const hipkv_stream_layout &l) {
+    return s.rows - l.rows + l.slots;
+}
 
 template <int D>
 struct RowState {
@@ -49,26 +63,30 @@ struct Acc {
     float min_sum[kRows<D>];
 };
 
-// This workgroup's slices of the partial outputs: `rows × head_dim` accumulators and `rows`
-// maxima. They are written at its end; before that they hold the page's folded query of
-// per-channel keys (`fold_chan_query`), so the fold needs no buffer of its own.
-struct OutputSlices {
-    float *acc;
-    float *max;
-};
+// The query rows of one wave: `n` consecutive rows of a sequence's (token, GQA head) rows, and
+// where their inputs and this split's partial outputs live (row r at base + r, or + r·D). The
+// partial outputs also hold, until the wave's end, a block's folded query of per-channel keys
+// (`fold_chan_query`), so the fold needs no buffer of its own.
 template <int D>
-HIPKV_DEV OutputSlices output_slices(const hipkv_attn_params &p) {
-    const uint32_t groups = (p.gqa + kRows<D> - 1) / kRows<D>;  // row groups per KV head
-    const uint32_t split = blockIdx.x, head = blockIdx.y / groups, query = blockIdx.z;
-    const uint32_t row0 = (blockIdx.y % groups) * kRows<D>;
-    const size_t out = (((size_t)query * p.kv_heads + head) * p.splits + split) * p.gqa + row0;
-    return {p.partial_acc + out * D, p.partial_max + out};
-}
+struct WaveRows {
+    uint32_t n;
+    // Row r sees positions < first_limit + ((steps >> 3r) & 7): the rows of a wave span at most
+    // kRows tokens, so each row's token is its first row's plus a 3-bit step (one register,
+    // where an array of limits took kRows of them).
+    uint32_t first_limit;
+    uint32_t steps;
+    const float *q;
+    const float *qsum;         // group g, row r: qsum[g · qsum_stride + r]
+    uint32_t qsum_stride;
+    size_t out;                // row r's partials: partial_acc[(out + r)·D], partial_max[out + r]
+};
 
 // Scores of token `t` of the run for every query row: `s[r] = q[r] · key(t)`.
 template <int F, int D>
 HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
-                           const float *q, const float *qsum, uint32_t rows, float s[kRows<D>]) {
+                           const WaveRows<D> &w, float s[kRows<D>]) {
+    const float *q = w.q, *qsum = w.qsum;
+    const uint32_t rows = w.n;
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
     for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
     // Rows of every format but q8_0 are read 16 bytes at a time (rows and pages are 16-byte
@@ -81,7 +99,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
         // Channel groups are 32+ channels: read 32 channels at a time (16 bytes of 4-bit
         // codes, 8 of 2-bit ones), each within one group.
         constexpr uint32_t kBytes = 32 * format_bits(F) / 8;
-        const uint32_t groups = D >> log2_pow2(k.group), gqa = p.gqa;
+        const uint32_t groups = D >> log2_pow2(k.group);
         HIPKV_ROLLED
         for (uint32_t g = 0; g < groups; ++g) {
             float dot[kRows<D>];
@@ -102,7 +120,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             const uint8_t *gp = k.params + 4 * ((size_t)t * groups + g);
             const float scale = load_f16(gp), min = load_f16(gp + 2);
             for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < rows) s[r] += scale * dot[r] + min * qsum[g * gqa + r];
+                if ((uint32_t)r < rows) s[r] += scale * dot[r] + min * qsum[g * w.qsum_stride + r];
         }
     } else if constexpr (F == HIPKV_Q8_0) {
         HIPKV_ROLLED
@@ -124,7 +142,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
         // f16 and q8 (one scale per token), and per-channel formats, whose codes are dotted
         // with the page's folded query `q ∘ s` (then plus the row's `q · m`).
         const float *qk = q;
-        if constexpr (format_is_chan(F)) qk = vector_ptr(output_slices<D>(p).acc);
+        if constexpr (format_is_chan(F)) qk = vector_ptr(p.partial_acc + w.out * D);
         HIPKV_ROLLED
         for (uint32_t c0 = 0; c0 < D; c0 += kChunk) {
             const uint8_t *at = row + c0 * format_bits(F) / 8;
@@ -139,7 +157,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             }
         }
         if constexpr (format_is_chan(F)) {
-            const float *bias = vector_ptr(output_slices<D>(p).max);
+            const float *bias = vector_ptr(p.partial_max + w.out);
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += bias[r];
         }
@@ -149,10 +167,10 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
         }
     }
     if (k.cap != 0) {
-        const uint32_t n = load_u16(k.counts + 2 * t);
+        const uint32_t n = load_u16(outlier_counts(k, p.g.k) + 2 * t);
         HIPKV_ROLLED
         for (uint32_t i = 0; i < n; ++i) {
-            const uint8_t *slot = k.slots + 4 * ((size_t)t * k.cap + i);
+            const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
             const float delta = load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group);
             for (int r = 0; r < kRows<D>; ++r)
@@ -175,8 +193,9 @@ HIPKV_DEV void rotate(const float *cos_sin, uint32_t pos, uint32_t pairs, uint32
 // token's position inside the loop, and outliers are corrected through the same rotation.
 template <int F, int D>
 HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
-                                    uint32_t pos, const float *q, uint32_t rows,
-                                    float s[kRows<D>]) {
+                                    uint32_t pos, const WaveRows<D> &w, float s[kRows<D>]) {
+    const float *q = w.q;
+    const uint32_t rows = w.n;
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
     constexpr uint32_t pairs = D / 2;
     for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
@@ -197,7 +216,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
                 x[i] = (F == HIPKV_Q8 || F == HIPKV_Q8_0) ? scale * x[i] : min + scale * x[i];
         }
     };
-    if (p.rope_pairs_interleaved) {
+    if (p.g.rope_pairs_interleaved) {
         HIPKV_ROLLED
         for (uint32_t c = 0; c < D; c += 8) {
             float x[8];
@@ -221,14 +240,14 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
         }
     }
     if (k.cap != 0) {
-        const uint32_t n = load_u16(k.counts + 2 * t);
+        const uint32_t n = load_u16(outlier_counts(k, p.g.k) + 2 * t);
         HIPKV_ROLLED
         for (uint32_t i = 0; i < n; ++i) {
-            const uint8_t *slot = k.slots + 4 * ((size_t)t * k.cap + i);
+            const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
             const float delta = load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group);
             // The pair holding c, and whether c is its first element.
-            const bool inter = p.rope_pairs_interleaved != 0;
+            const bool inter = p.g.rope_pairs_interleaved != 0;
             const uint32_t pair = inter ? c / 2 : c % pairs;
             const bool first = inter ? (c % 2 == 0) : (c < pairs);
             const uint32_t xc = inter ? 2 * pair : pair, yc = inter ? 2 * pair + 1 : pair + pairs;
@@ -242,8 +261,9 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
 
 // Accumulates the values of the run's `n` tokens, weighted by `w[r][t]` (in LDS).
 template <int F, int D>
-HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
-                                 const float (*w)[HIPKV_WAVE], uint32_t rows, Acc<D> &acc) {
+HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v, uint32_t t0,
+                                 uint32_t n, const float (*w)[HIPKV_WAVE], uint32_t rows,
+                                 Acc<D> &acc) {
     constexpr int kPer = Acc<D>::kPerLane;
     const uint32_t c0 = lane_id() * kPer;
     HIPKV_ROLLED
@@ -275,10 +295,10 @@ HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
             if constexpr (format_is_tok(F)) acc.min_sum[r] += weight * min;
         }
         if (v.cap != 0) {
-            const uint32_t count = load_u16(v.counts + 2 * t);
+            const uint32_t count = load_u16(outlier_counts(v, p.g.v) + 2 * t);
             HIPKV_ROLLED
             for (uint32_t i = 0; i < count; ++i) {
-                const uint8_t *slot = v.slots + 4 * ((size_t)t * v.cap + i);
+                const uint8_t *slot = outlier_slots(v, p.g.v) + 4 * ((size_t)t * v.cap + i);
                 const uint32_t c = load_u16(slot);
                 if (c < c0 || c >= c0 + kPer) continue;
                 const float delta =
@@ -293,60 +313,69 @@ HIPKV_DEV void accumulate_values(const StreamView &v, uint32_t t0, uint32_t n,
     }
 }
 
-// One run of up to 32 consecutive tokens at positions pos0 + t0 ...: score, online softmax,
-// values. Sinks and a per-channel stream's open page hold f16 rows (`k_f16`, `v_f16`): the
-// branch is uniform across the wave.
+// One run of up to 32 consecutive tokens, rows t0.. of a block whose row 0 is at position
+// pos0: score, online softmax, values. Sinks and a per-channel stream's open block hold f16
+// rows (`k_f16`, `v_f16`): the branch is uniform across the wave.
 template <int KF, int VF, int D>
 HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const StreamView &v,
                           bool k_f16, bool v_f16, uint32_t t0, uint32_t n, uint32_t pos0,
-                          const float *q, const float *qsum, uint32_t rows, RowState<D> &st,
-                          Acc<D> &acc, float (*w)[HIPKV_WAVE]) {
+                          const WaveRows<D> &w, RowState<D> &st, Acc<D> &acc,
+                          float (*weights)[HIPKV_WAVE]) {
     const uint32_t lane = lane_id();
+    const uint32_t run_pos = pos0 + t0;  // the position of the run's first token
     float s[kRows<D>];
     if (lane < n) {
         const uint32_t t = t0 + lane;
-        if (p.pre_rope) {
+        const uint32_t pos = run_pos + lane;
+        if (p.g.pre_rope) {
             if (k_f16)
-                score_token_pre_rope<HIPKV_F16, D>(p, k, t, pos0 + t, q, rows, s);
+                score_token_pre_rope<HIPKV_F16, D>(p, k, t, pos, w, s);
             else
-                score_token_pre_rope<KF, D>(p, k, t, pos0 + t, q, rows, s);
+                score_token_pre_rope<KF, D>(p, k, t, pos, w, s);
         } else if (k_f16) {
-            score_token<HIPKV_F16, D>(p, k, t, q, qsum, rows, s);
+            score_token<HIPKV_F16, D>(p, k, t, w, s);
         } else {
-            score_token<KF, D>(p, k, t, q, qsum, rows, s);
+            score_token<KF, D>(p, k, t, w, s);
         }
     } else {
         for (int r = 0; r < kRows<D>; ++r) s[r] = kNegInf;
     }
-    barrier();  // the previous run's weights have been read
+    wave_sync();  // the previous run's weights have been read
     for (int r = 0; r < kRows<D>; ++r) {
-        if ((uint32_t)r >= rows) continue;
-        const float run_max = wave_max(s[r]);
-        const float m = fmaxf(st.max[r], run_max);
-        const float alpha = exp2(st.max[r] - m);
-        const float e = lane < n ? exp2(s[r] - m) : 0.0f;
-        st.sum[r] = st.sum[r] * alpha + wave_sum(e);
+        if ((uint32_t)r >= w.n) continue;
+        // Causal: a row sees the positions up to its own token's, the run's first `cut` lanes
+        // (a wave-uniform count, so the mask costs one compare with the lane id).
+        const uint32_t limit = w.first_limit + ((w.steps >> (3 * r)) & 7u);
+        const uint32_t seen = limit > run_pos ? limit - run_pos : 0;
+        const uint32_t cut = seen < n ? seen : n;
+        const float sr = lane < cut ? s[r] : kNegInf;
+        const float m = fmaxf(st.max[r], uniform(wave_max(sr)));
+        // A row that has seen no position yet keeps max -inf: 2^(-inf - -inf) would be NaN.
+        const float alpha = st.max[r] == m ? 1.0f : exp2(st.max[r] - m);
+        const float e = lane < cut ? exp2(sr - m) : 0.0f;
+        st.sum[r] = st.sum[r] * alpha + uniform(wave_sum(e));
         st.max[r] = m;
         for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] *= alpha;
         acc.min_sum[r] *= alpha;
-        w[r][lane] = e;
+        weights[r][lane] = e;
     }
-    barrier();  // every weight is in LDS
+    wave_sync();  // every weight is in LDS
     if (v_f16)
-        accumulate_values<HIPKV_F16, D>(v, t0, n, w, rows, acc);
+        accumulate_values<HIPKV_F16, D>(p, v, t0, n, weights, w.n, acc);
     else
-        accumulate_values<VF, D>(v, t0, n, w, rows, acc);
+        accumulate_values<VF, D>(p, v, t0, n, weights, w.n, acc);
 }
 
+// Rows [t_begin, t_end) of a block whose row 0 is at position pos0, in runs of 32.
 template <int KF, int VF, int D>
 HIPKV_DEV void attend_block(const hipkv_attn_params &p, const StreamView &k, const StreamView &v,
-                            bool k_f16, bool v_f16, uint32_t tokens, uint32_t pos0,
-                            const float *q, const float *qsum, uint32_t rows, RowState<D> &st,
-                            Acc<D> &acc, float (*w)[HIPKV_WAVE]) {
+                            bool k_f16, bool v_f16, uint32_t t_begin, uint32_t t_end,
+                            uint32_t pos0, const WaveRows<D> &w, RowState<D> &st, Acc<D> &acc,
+                            float (*weights)[HIPKV_WAVE]) {
     HIPKV_ROLLED
-    for (uint32_t t0 = 0; t0 < tokens; t0 += HIPKV_WAVE) {
-        const uint32_t n = tokens - t0 < HIPKV_WAVE ? tokens - t0 : HIPKV_WAVE;
-        attend_run<KF, VF, D>(p, k, v, k_f16, v_f16, t0, n, pos0, q, qsum, rows, st, acc, w);
+    for (uint32_t t0 = t_begin; t0 < t_end; t0 += HIPKV_WAVE) {
+        const uint32_t n = t_end - t0 < HIPKV_WAVE ? t_end - t0 : HIPKV_WAVE;
+        attend_run<KF, VF, D>(p, k, v, k_f16, v_f16, t0, n, pos0, w, st, acc, weights);
     }
 }
 
@@ -355,69 +384,135 @@ HIPKV_DEV StreamView f16_stream(const uint16_t *rows, uint32_t head_dim) {
     s.rows = reinterpret_cast<const uint8_t *>(rows);
     s.row_bytes = 2 * head_dim;
     s.params = nullptr;
-    s.counts = nullptr;
-    s.slots = nullptr;
     s.cap = 0;
     s.group = head_dim;
     return s;
 }
 
-HIPKV_DEV StreamView page_stream(const uint8_t *block, const hipkv_stream_layout &l) {
+HIPKV_DEV StreamView block_stream(const uint8_t *block, const hipkv_stream_layout &l) {
     StreamView s;
     s.rows = block + l.rows;
     s.row_bytes = l.row_bytes;
     // Parameters read at uniform addresses would otherwise be scalar loads held in SGPRs.
     s.params = vector_ptr(block + l.params);
-    s.counts = block + l.counts;
-    s.slots = block + l.slots;
     s.cap = l.outlier_slots;
     s.group = l.group;
     return s;
 }
 
-// Per-channel keys, `x = m + s·code` per channel of the page: `q·x = (q ∘ s)·code + q·m`. Folds
-// the page's scales into the query rows and its minimums into one term per row, once per page,
-// so scoring decodes bare codes (no parameter loads or FMA per element). Written to this
-// workgroup's output slices (`output_slices`), which every lane then reads.
+// Per-channel keys, `x = m + s·code` per channel of the block: `q·x = (q ∘ s)·code + q·m`.
+// Folds the block's scales into the query rows and its minimums into one term per row, once
+// per block, so scoring decodes bare codes (no parameter loads or FMA per element). Written to
+// the wave's partial outputs (`WaveRows`), which every lane of the wave then reads.
 template <int D>
-HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const float *q, const uint8_t *params,
-                               uint32_t rows) {
-    const OutputSlices fold = output_slices<D>(p);
-    barrier();  // every lane has scored the previous page with the previous fold
+HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
+                               const uint8_t *params) {
+    float *fold = p.partial_acc + w.out * D, *fold_bias = p.partial_max + w.out;
+    wave_sync();  // every lane has scored the previous block with the previous fold
     float bias[kRows<D>];
     for (int r = 0; r < kRows<D>; ++r) bias[r] = 0.0f;
     HIPKV_ROLLED
     for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE) {
         const float scale = load_f16(params + 4 * c), min = load_f16(params + 4 * c + 2);
         for (int r = 0; r < kRows<D>; ++r) {
-            if ((uint32_t)r >= rows) continue;
-            fold.acc[r * D + c] = q[r * D + c] * scale;
-            bias[r] += q[r * D + c] * min;
+            if ((uint32_t)r >= w.n) continue;
+            fold[r * D + c] = w.q[r * D + c] * scale;
+            bias[r] += w.q[r * D + c] * min;
         }
     }
     for (int r = 0; r < kRows<D>; ++r) {
-        if ((uint32_t)r >= rows) continue;
+        if ((uint32_t)r >= w.n) continue;
         const float b = wave_sum(bias[r]);
-        if (lane_id() == 0) fold.max[r] = b;
+        if (lane_id() == 0) fold_bias[r] = b;
     }
     fence_workgroup();
-    barrier();
+    wave_sync();
+}
+
+// The sequence a workgroup serves, after checking what the server passed for it.
+struct Sequence {
+    uint32_t start;    // its first query token in the batch
+    uint32_t q_len;
+    uint32_t len;      // tokens it holds, the query's included
+    const int32_t *blocks;
+    const uint8_t *state;
+};
+
+// False (after reporting, from one workgroup of the sequence) when the sequence must be skipped.
+HIPKV_DEV bool check_sequence(const hipkv_attn_params &p, uint32_t seq, bool report,
+                              Sequence *out) {
+    const hipkv_paged_geometry &g = p.g;
+    const int64_t start = p.query_start_loc[seq], end = p.query_start_loc[seq + 1];
+    const int64_t len = p.seq_lens[seq], slot = p.seq_slots[seq];
+    // The longest sequence the call may hold: its promise, its block table, the layout.
+    int64_t longest = (int64_t)p.max_blocks_per_seq * g.block_tokens;
+    if ((int64_t)p.max_seq_len < longest) longest = p.max_seq_len;
+    if ((int64_t)g.max_positions < longest) longest = g.max_positions;
+    uint32_t what = HIPKV_BAD_NONE;
+    int64_t index = 0, limit = 0;
+    if (start < 0 || end < start || end > (int64_t)p.tokens) {
+        what = HIPKV_BAD_QUERY_RANGE, index = start < 0 || end < start ? start : end;
+        limit = p.tokens + 1;
+    } else if (end - start > (int64_t)p.max_q_len || end - start > len) {
+        what = HIPKV_BAD_QUERY_LEN, index = end - start;
+        limit = (int64_t)p.max_q_len < len ? p.max_q_len + 1 : len + 1;
+    } else if (len > longest) {
+        what = HIPKV_BAD_SEQ_LEN, index = len, limit = longest + 1;
+    } else if (slot < 0 || slot >= (int64_t)g.max_seqs) {
+        what = HIPKV_BAD_SEQ_SLOT, index = slot, limit = g.max_seqs;
+    }
+    if (what != HIPKV_BAD_NONE) {
+        if (report && lane_id() == 0)
+            report_bad_index(p.error, what, HIPKV_CHECK_ATTEND, seq, index, limit);
+        return false;
+    }
+    out->start = (uint32_t)start;
+    out->q_len = (uint32_t)(end - start);
+    out->len = (uint32_t)len;
+    out->blocks = p.block_tables + (size_t)seq * p.max_blocks_per_seq;
+    out->state = p.state + (size_t)slot * p.slot_state_bytes + p.layer_state;
+    return true;
+}
+
+// The residual window at byte `at` of the sequence's state, for `head`.
+HIPKV_DEV const uint16_t *residual_rows(const hipkv_paged_geometry &g, const Sequence &sq,
+                                        uint32_t head, uint32_t at) {
+    return reinterpret_cast<const uint16_t *>(sq.state + at) +
+           (size_t)head * g.block_tokens * g.head_dim;
 }
 
 template <int KF, int VF, int D>
 HIPKV_DEV void attention(const hipkv_attn_params &p) {
-    __shared__ float weights[kRows<D>][HIPKV_WAVE];
-    const uint32_t groups = (p.gqa + kRows<D> - 1) / kRows<D>;  // row groups per KV head
-    const uint32_t split = blockIdx.x, head = blockIdx.y / groups, query = blockIdx.z;
-    const uint32_t row0 = (blockIdx.y % groups) * kRows<D>;
-    const uint32_t rows = p.gqa - row0 < (uint32_t)kRows<D> ? p.gqa - row0 : kRows<D>;
-    const uint32_t lane = lane_id();
-    const uint32_t len = p.seq_len[query];
-    const size_t qh = (size_t)query * p.kv_heads + head;
-    const float *q = vector_ptr(p.q + (qh * p.gqa + row0) * D);
-    // Query sums are laid out [group][row] per (query, KV head): one offset per group.
-    const float *qsum =
-        vector_ptr(p.q_group_sums + qh * p.gqa * (D >> log2_pow2(p.k.group)) + row0);
+    __shared__ float weights[HIPKV_MAX_WAVES][kRows<D>][HIPKV_WAVE];
+    const hipkv_paged_geometry &g = p.g;
+    const uint32_t seq = blockIdx.x / p.tiles_per_seq, tile = blockIdx.x % p.tiles_per_seq;
+    const uint32_t head = blockIdx.y, split = blockIdx.z;
+    const uint32_t wave = wave_id(), waves = blockDim.x / HIPKV_WAVE;
+    if (seq >= p.num_seqs) return;
+    Sequence sq;
+    if (!check_sequence(p, seq, tile == 0 && head == 0 && split == 0 && wave == 0, &sq)) return;
+
+    // This wave's rows of the sequence's q_len × gqa rows.
+    const uint32_t gqa = g.gqa;
+    const uint32_t row0 = (tile * waves + wave) * kRows<D>;
+    if (row0 >= sq.q_len * gqa) return;
+    WaveRows<D> w;
+    w.n = sq.q_len * gqa - row0 < (uint32_t)kRows<D> ? sq.q_len * gqa - row0 : kRows<D>;
+    // Token t of the chunk is at position len - q_len + t and sees everything up to it.
+    const uint32_t t0 = row0 / gqa;
+    w.first_limit = sq.len - sq.q_len + t0 + 1;
+    w.steps = 0;
+    for (int r = 0; r < kRows<D>; ++r) w.steps |= ((row0 + (uint32_t)r) / gqa - t0) << (3 * r);
+    const uint32_t max_limit = w.first_limit + (row0 + w.n - 1) / gqa - t0;
+    // Rows of one KV head are contiguous in the prepared queries and in the partials.
+    const size_t first = ((size_t)head * p.tokens + sq.start) * gqa + row0;
+    w.q = vector_ptr(p.q_f32 + first * D);
+    const uint32_t groups = D >> log2_pow2(g.k.group);
+    w.qsum_stride = p.tokens * gqa;
+    w.qsum = vector_ptr(p.q_group_sums + (size_t)head * groups * w.qsum_stride + first -
+                        (size_t)head * p.tokens * gqa);
+    w.out = ((size_t)head * p.splits + split) * p.tokens * gqa + first -
+            (size_t)head * p.tokens * gqa;
 
     RowState<D> st;
     Acc<D> acc;
@@ -427,47 +522,69 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         acc.min_sum[r] = 0.0f;
         for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] = 0.0f;
     }
+    // This wave's part of the LDS at a scalar offset, which its accesses take as a constant.
+    float(*wave_weights)[HIPKV_WAVE] = weights[(uint32_t)uniform_u32(wave)];
 
-    const uint32_t sinks = len < p.sinks ? len : p.sinks;
+    const uint32_t sinks = sq.len < g.sinks ? sq.len : g.sinks;
     if (split == 0 && sinks > 0) {
-        const size_t at = (size_t)head * p.sinks * D;
-        attend_block<KF, VF, D>(p, f16_stream(p.sinks_k[query] + at, D),
-                                f16_stream(p.sinks_v[query] + at, D), true, true, sinks, 0, q,
-                                qsum, rows, st, acc, weights);
+        const size_t at = (size_t)head * g.sinks * D;
+        const uint16_t *sk = reinterpret_cast<const uint16_t *>(sq.state + g.sinks_k) + at;
+        const uint16_t *sv = reinterpret_cast<const uint16_t *>(sq.state + g.sinks_v) + at;
+        attend_block<KF, VF, D>(p, f16_stream(sk, D), f16_stream(sv, D), true, true, 0, sinks,
+                                0, w, st, acc, wave_weights);
     }
-    const uint32_t g = p.group_tokens;
-    const uint32_t pages = len > p.sinks ? (len - p.sinks + g - 1) / g : 0;
-    const uint32_t first = split * p.pages_per_split;
-    const uint32_t last = first + p.pages_per_split < pages ? first + p.pages_per_split : pages;
+    const uint32_t bt = g.block_tokens;
+    // Blocks this wave's rows see, within this split's.
+    const uint32_t seen = (max_limit + bt - 1) / bt;
+    const uint32_t begin = split * p.blocks_per_split;
+    const uint32_t end = begin + p.blocks_per_split < seen ? begin + p.blocks_per_split : seen;
+    // The block ids this wave reads, checked up front with a lane per id, so that the loop
+    // below holds no check (scalar registers are the kernel's scarcest resource there).
+    bool lane_bad = false;
+    for (uint32_t b = begin + lane_id(); b < end; b += HIPKV_WAVE)
+        lane_bad |= (uint32_t)sq.blocks[b] >= g.num_blocks;  // negative ids too
+    const bool bad = wave_max(lane_bad ? 1.0f : 0.0f) > 0.0f;
+    if (bad && lane_id() == 0) {
+        uint32_t b = begin;
+        while ((uint32_t)sq.blocks[b] < g.num_blocks) ++b;
+        report_bad_index(p.error, HIPKV_BAD_BLOCK, HIPKV_CHECK_ATTEND, seq, sq.blocks[b],
+                         g.num_blocks);
+    }
+    const uint8_t *head_blocks = p.cache + (size_t)head * g.head_block_bytes;
+    const uint32_t stop = bad ? begin : end;
     HIPKV_ROLLED
-    for (uint32_t page = first; page < last; ++page) {
-        const uint32_t pos0 = p.sinks + page * g;
-        const uint32_t tokens = len - pos0 < g ? len - pos0 : g;
-        const uint8_t *block = p.pool + (size_t)p.block_table[query][page] * p.page_bytes +
-                               (size_t)head * p.head_block_bytes;
-        const size_t resid = (size_t)head * g * D;
-        const bool k_open = p.k.residual && tokens < g, v_open = p.v.residual && tokens < g;
+    for (uint32_t b = begin; b < stop; ++b) {
+        const uint32_t pos0 = b * bt;
+        const uint32_t t_end = sq.len - pos0 < bt ? sq.len - pos0 : bt;
+        const uint32_t t_begin = g.sinks > pos0 ? (g.sinks - pos0 < bt ? g.sinks - pos0 : bt) : 0;
+        if (t_begin >= t_end) continue;
+        const uint8_t *block = head_blocks + (size_t)(uint32_t)sq.blocks[b] * g.block_bytes;
+        // The sequence's last block is open when it is not full: per-channel streams keep its
+        // rows in the residual window.
+        const bool open = t_end < bt;
+        const bool k_open = g.k.residual && open, v_open = g.v.residual && open;
         if constexpr (format_is_chan(KF))
-            if (!k_open && !p.pre_rope) fold_chan_query<D>(p, q, block + p.k.params, rows);
+            if (!k_open && !g.pre_rope) fold_chan_query<D>(p, w, block + g.k.params);
         attend_block<KF, VF, D>(
-            p, k_open ? f16_stream(p.residual_k[query] + resid, D) : page_stream(block, p.k),
-            v_open ? f16_stream(p.residual_v[query] + resid, D) : page_stream(block, p.v), k_open,
-            v_open, tokens, pos0, q, qsum, rows, st, acc, weights);
+            p, k_open ? f16_stream(residual_rows(g, sq, head, g.residual_k), D)
+                      : block_stream(block, g.k),
+            v_open ? f16_stream(residual_rows(g, sq, head, g.residual_v), D)
+                   : block_stream(block, g.v),
+            k_open, v_open, t_begin, t_end, pos0, w, st, acc, wave_weights);
     }
 
-    // The same slices as `output_slices`.
-    const size_t out = (qh * p.splits + split) * p.gqa + row0;
-    // Per-channel keys: the last page's folded query, in these slices, has been read.
-    if constexpr (format_is_chan(KF)) barrier();
+    // Per-channel keys: the last block's folded query, in these slots, has been read.
+    if constexpr (format_is_chan(KF)) wave_sync();
+    const uint32_t lane = lane_id();
     // Rows in a loop of constant trip count: the state arrays stay in registers.
     for (int r = 0; r < kRows<D>; ++r) {
-        if ((uint32_t)r >= rows) continue;
+        if ((uint32_t)r >= w.n) continue;
         if (lane == 0) {
-            p.partial_max[out + r] = st.max[r];
-            p.partial_sum[out + r] = st.sum[r];
+            p.partial_max[w.out + r] = bad ? kNegInf : st.max[r];
+            p.partial_sum[w.out + r] = bad ? 0.0f : st.sum[r];
         }
         for (int i = 0; i < Acc<D>::kPerLane; ++i)
-            p.partial_acc[(out + r) * D + lane * Acc<D>::kPerLane + i] =
+            p.partial_acc[(w.out + r) * D + lane * Acc<D>::kPerLane + i] =
                 acc.v[r][i] + acc.min_sum[r];
     }
 }
@@ -475,36 +592,93 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 }  // namespace hipkv
 
 #if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
-// Merges the splits of each output row: Σ 2^(m_s − M) acc_s / Σ 2^(m_s − M) l_s. One workgroup
-// per row; lane i takes channels i, i + 32, ...
-HIPKV_KERNEL(hipkv_attn_combine, hipkv_combine_params) {
+// hipkv_attn_prep: grid (tokens, kv_heads), one wave. The query rows of one token and KV head
+// converted to f32 and scaled by softmax_scale · log2(e), laid out [KV head][token][GQA
+// row][channel]; their sums over each key parameter group, [KV head][group][token][GQA row];
+// and the partial sums of every split cleared, so a row no workgroup reaches reads as empty.
+HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
+    const hipkv_paged_geometry &g = p.g;
+    const uint32_t token = blockIdx.x, head = blockIdx.y, lane = hipkv::lane_id();
+    if (token >= p.tokens || head >= g.kv_heads) return;
+    const uint32_t d = g.head_dim, gqa = g.gqa, group = g.k.group;
+    const uint32_t groups = d / group;
+    const float factor = p.softmax_scale * 1.4426950408889634f;
+    const size_t elem_bytes = p.dtype == HIPKV_DTYPE_F32 ? 4 : 2;
+    for (uint32_t j = 0; j < gqa; ++j) {
+        const size_t in = ((size_t)token * g.kv_heads * gqa + head * gqa + j) * d;
+        const size_t row = ((size_t)head * p.tokens + token) * gqa + j;
+        const uint8_t *src = static_cast<const uint8_t *>(p.q) + in * elem_bytes;
+        for (uint32_t gi = 0; gi < groups; ++gi) {
+            float sum = 0.0f;
+            for (uint32_t c = gi * group + lane; c < (gi + 1) * group; c += HIPKV_WAVE) {
+                float x;
+                if (p.dtype == HIPKV_DTYPE_F16)
+                    x = hipkv::half_to_float(reinterpret_cast<const uint16_t *>(src)[c]);
+                else if (p.dtype == HIPKV_DTYPE_BF16)
+                    x = hipkv::bf16_to_float(reinterpret_cast<const uint16_t *>(src)[c]);
+                else
+                    x = reinterpret_cast<const float *>(src)[c];
+                x *= factor;
+                p.q_f32[row * d + c] = x;
+                sum += x;
+            }
+            sum = hipkv::wave_sum(sum);
+            if (lane == 0)
+                p.q_group_sums[((size_t)head * groups + gi) * p.tokens * gqa +
+                               (size_t)token * gqa + j] = sum;
+        }
+        for (uint32_t s = lane; s < p.splits; s += HIPKV_WAVE) {
+            const size_t at = ((size_t)head * p.splits + s) * p.tokens * gqa +
+                              (size_t)token * gqa + j;
+            p.partial_sum[at] = 0.0f;
+            p.partial_max[at] = -__builtin_huge_valf();
+        }
+    }
+}
+
+// hipkv_attn_combine: grid (tokens × q_heads), one wave per output row, lanes over channels:
+// `Σ 2^(m_s − M)·acc_s / Σ 2^(m_s − M)·l_s` over the splits with `l_s > 0` (0 when none has
+// any: a skipped sequence), written in the output dtype.
+HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
+    const hipkv_paged_geometry &g = p.g;
+    const uint32_t q_heads = g.kv_heads * g.gqa;
     const uint32_t row = blockIdx.x;
-    if (row >= p.rows) return;
-    const uint32_t qh = row / p.gqa, r = row % p.gqa;
+    if (row >= p.tokens * q_heads) return;
+    const uint32_t token = row / q_heads, qh = row % q_heads;
+    const uint32_t head = qh / g.gqa, j = qh % g.gqa, d = g.head_dim;
+    const size_t stride = (size_t)p.tokens * g.gqa;
+    const size_t base = (size_t)head * p.splits * stride + (size_t)token * g.gqa + j;
     float m = -__builtin_huge_valf();
     for (uint32_t s = 0; s < p.splits; ++s)
-        m = fmaxf(m, p.partial_max[(qh * p.splits + s) * p.gqa + r]);
-    float sum = 0.0f;
+        if (p.partial_sum[base + s * stride] > 0.0f) m = fmaxf(m, p.partial_max[base + s * stride]);
+    float total = 0.0f;
     for (uint32_t s = 0; s < p.splits; ++s) {
-        const size_t at = (qh * p.splits + s) * p.gqa + r;
-        if (p.partial_sum[at] != 0.0f) sum += hipkv::exp2(p.partial_max[at] - m) * p.partial_sum[at];
+        const size_t at = base + s * stride;
+        if (p.partial_sum[at] > 0.0f) total += hipkv::exp2(p.partial_max[at] - m) * p.partial_sum[at];
     }
-    const float inv = 1.0f / sum;
-    for (uint32_t c = threadIdx.x; c < p.head_dim; c += HIPKV_WAVE) {
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) {
         float o = 0.0f;
         for (uint32_t s = 0; s < p.splits; ++s) {
-            const size_t at = (qh * p.splits + s) * p.gqa + r;
-            if (p.partial_sum[at] != 0.0f)
-                o += hipkv::exp2(p.partial_max[at] - m) * p.partial_acc[at * p.head_dim + c];
+            const size_t at = base + s * stride;
+            if (p.partial_sum[at] > 0.0f)
+                o += hipkv::exp2(p.partial_max[at] - m) * p.partial_acc[at * d + c];
         }
-        p.out[(size_t)row * p.head_dim + c] = o * inv;
+        o *= inv;
+        const size_t out = (size_t)row * d + c;
+        if (p.dtype == HIPKV_DTYPE_F16)
+            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_half(o);
+        else if (p.dtype == HIPKV_DTYPE_BF16)
+            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_bf16(o);
+        else
+            static_cast<float *>(p.out)[out] = o;
     }
 }
 #endif
 
-// The decode kernels: hipkv_attn_<key format>_<value format>_d<head_dim>.
+// The attention kernels: hipkv_attn_<key format>_<value format>_d<head_dim>.
 #define HIPKV_ATTN(KN, KF, VN, VF, D)                                                  \
-    HIPKV_KERNEL(hipkv_attn_##KN##_##VN##_d##D, hipkv_attn_params) {                    \
+    HIPKV_ATTN_KERNEL(hipkv_attn_##KN##_##VN##_d##D, hipkv_attn_params) {               \
         hipkv::attention<KF, VF, D>(p);                                                 \
     }
 #define HIPKV_ATTN_V(KN, KF, D)                      \
@@ -525,7 +699,7 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_combine_params) {
     HIPKV_ATTN_V(q2_chan, HIPKV_Q2_CHAN, D)
 
 // build.rs compiles one code object per head_dim (HIPKV_HEAD_DIM), in parallel; the emulator
-// takes them all.
+// likewise.
 #if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
 HIPKV_ATTN_KV(64)
 #endif

@@ -1,22 +1,25 @@
-//! The KV cache: pages of quantized K and V, f16 sinks and residual windows, sparse outlier
-//! stores; append new tokens, attend over the stored ones.
+//! The owning KV cache: a thin owner over the paged core ([`crate::paged`]) that allocates the
+//! blocks of every layer, hands them to sequences in order, and takes host slices, so that a
+//! program without a block allocator of its own (an eval harness, a benchmark, a CPU engine)
+//! gets the same storage and the same kernels a server drives through the paged calls.
 //!
-//! Positions `[0, sinks)` of a sequence live in its f16 sink buffer. Position `p ≥ sinks` lives in
-//! page `(p - sinks) / G`, slot `(p - sinks) % G`, where the page id comes from the sequence's block
-//! table. Per-token formats are quantized as tokens arrive; a per-channel format keeps the tokens
-//! of the open page in an f16 residual window and quantizes them together when the page fills.
+//! Position `p` of a sequence lives in block `p / G` of its block list, row `p % G`; the f16
+//! rows of positions below `sinks` and, for per-channel formats, of the open block live in the
+//! sequence's slot state (slot = sequence index). Per-token formats are quantized as tokens
+//! arrive; a per-channel block is quantized when its last position is written.
 
-use half::f16;
+use std::sync::Mutex;
 
-use crate::backend::device::{DeviceStore, Gpu, SeqBytes};
-use crate::backend::{Backend, cpu};
+use crate::backend::cpu::{CacheView, PagedSeq};
+use crate::backend::{Backend, DeviceMemory};
 use crate::error::{Error, Result};
-use crate::hip::Device;
-use crate::quant::{self, OutlierThresholds, put_f16};
-use crate::rope::{Rope, RopeTable};
-use crate::scheme::{
-    Format, HeadLayout, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Scheme, Stream, StreamLayout,
+use crate::hip::{Device, StreamHandle};
+use crate::paged::{
+    BatchLimits, DType, KvBatch, Layout, LayoutSpec, PagedCache, QueryBatch, Workspace,
 };
+use crate::quant::OutlierThresholds;
+use crate::rope::{Rope, RopeTable};
+use crate::scheme::{HeadLayout, Scheme, Stream};
 
 /// Shape and scheme of a cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,27 +44,36 @@ impl CacheConfig {
         self.q_heads / self.kv_heads
     }
 
-    fn validate(&self) -> Result<()> {
+    /// The paged layout of this cache: one block list of `capacity` tokens per sequence.
+    fn layout(&self) -> Result<Layout> {
         let positive = [
             ("layers", self.layers),
             ("sequences", self.sequences),
-            ("kv_heads", self.kv_heads),
-            ("q_heads", self.q_heads),
             ("capacity", self.capacity),
         ];
         if let Some((what, _)) = positive.iter().find(|(_, n)| *n == 0) {
             return Err(Error::Unsupported(format!("{what} must be positive")));
         }
-        if !self.q_heads.is_multiple_of(self.kv_heads) {
-            return Err(Error::Unsupported(format!(
-                "{} query heads are not a multiple of {} KV heads",
-                self.q_heads, self.kv_heads
-            )));
-        }
         if self.capacity > u32::MAX as usize / 2 {
             return Err(Error::Unsupported(format!("capacity {}", self.capacity)));
         }
-        self.scheme.validate(self.head_dim, self.rope.is_some())
+        let blocks = self
+            .sequences
+            .checked_mul(self.capacity.div_ceil(self.scheme.group_tokens))
+            .ok_or(Error::OutOfMemory {
+                bytes: u128::MAX,
+                backend: "any",
+            })?;
+        Layout::new(LayoutSpec {
+            scheme: self.scheme,
+            kv_heads: self.kv_heads,
+            q_heads: self.q_heads,
+            head_dim: self.head_dim,
+            num_blocks: blocks,
+            max_seqs: self.sequences,
+            max_positions: self.capacity,
+            rope: self.rope,
+        })
     }
 }
 
@@ -75,204 +87,98 @@ pub struct Query<'a> {
     pub out: &'a mut [f32],
 }
 
-/// Per-sequence state of one layer.
+/// One sequence of one layer: its length and blocks.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct SeqState {
-    pub(crate) len: usize,
-    /// Page ids, one per started page.
-    pub(crate) pages: Vec<u32>,
-    /// `kv_heads × sinks × head_dim` f16 (little-endian bytes), for K and V.
-    pub(crate) sinks: [Vec<u8>; 2],
-    /// `kv_heads × G × head_dim` f16 of the open page, for each per-channel stream.
-    pub(crate) residual: [Vec<u8>; 2],
+struct Seq {
+    len: usize,
+    blocks: Vec<i32>,
 }
 
-/// Outlier thresholds of one layer.
-#[derive(Clone, Debug)]
-struct LayerOutliers {
-    k: OutlierThresholds,
-    v: Option<OutlierThresholds>,
-}
-
-/// One layer: its host metadata (free pages, sequences' lengths and block tables, outlier
-/// thresholds) and, on the CPU backend, its bytes (pool, sinks, residual windows; empty when
-/// the bytes live on a device).
-#[derive(Clone, Debug)]
+/// One layer: its blocks' memory, the blocks nobody holds, the sequences.
 struct Layer {
-    pool: Vec<u8>,
-    free: Vec<u32>,
-    seqs: Vec<SeqState>,
-    outliers: Option<LayerOutliers>,
+    cache: DeviceMemory,
+    free: Vec<i32>,
+    seqs: Vec<Seq>,
+    outliers: Option<(OutlierThresholds, Option<OutlierThresholds>)>,
 }
 
 /// A quantized KV cache, in host memory (the CPU backend) or device memory (`Hip`, and `Emu`
 /// which runs the device path on host memory).
-#[derive(Debug)]
 pub struct KvCache {
     config: CacheConfig,
-    layout: HeadLayout,
-    page_bytes: usize,
-    seq_bytes: SeqBytes,
+    paged: PagedCache,
     layers: Vec<Layer>,
+    /// The host-side RoPE of keys (unless stored before RoPE) and queries.
     rope: Option<RopeTable>,
     outliers_dropped: u64,
-    backend: Backend,
-    /// The bytes, when the backend is a device.
-    device: Option<DeviceStore>,
+    /// A device buffer for the inputs and outputs of one call (GPU only), grown on demand.
+    staging: Mutex<Option<DeviceMemory>>,
+    /// The attention workspace, grown with the largest call so far.
+    workspace: Mutex<Option<(DeviceMemory, BatchLimits)>>,
 }
 
-fn stream_index(stream: Stream) -> usize {
-    match stream {
-        Stream::K => 0,
-        Stream::V => 1,
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("config", &self.config)
+            .field("backend", &self.backend())
+            .finish()
     }
+}
+
+/// Host arrays of one call, at addresses the backend reads: the arrays themselves on the
+/// host-memory backends, copies in the staging buffer on a GPU.
+struct Staged<'a> {
+    addrs: Vec<u64>,
+    /// The staging buffer, held while the call uses it (GPU only).
+    buffer: Option<std::sync::MutexGuard<'a, Option<DeviceMemory>>>,
 }
 
 impl KvCache {
-    /// Allocates a cache on the CPU: every page each sequence may need, sinks and residual
-    /// windows.
+    /// Allocates a cache on the CPU: every block each sequence may need, and the slot states.
     pub fn new(config: CacheConfig) -> Result<KvCache> {
-        let mut cache = KvCache::metadata(config)?;
-        for layer in &mut cache.layers {
-            alloc_host_bytes(layer, cache.seq_bytes, cache.page_bytes)?;
-        }
-        Ok(cache)
+        KvCache::with_backend(config, Backend::Cpu)
     }
 
-    /// Allocates a cache on `backend`: for `Hip` and `Emu`, in device memory (zeroed), with
-    /// nothing of it in host memory but the block tables.
-    pub fn with_backend(config: CacheConfig, backend: Backend) -> Result<KvCache> {
-        if backend == Backend::Cpu {
-            return KvCache::new(config);
-        }
-        let mut cache = KvCache::metadata(config)?;
-        cache.device = Some(cache.new_store(backend)?);
-        cache.backend = backend;
-        Ok(cache)
-    }
-
-    /// A cache with its metadata and no bytes. Sinks beyond the capacity are clamped to it
-    /// (every token is then a sink), so that every sink row of every head has its place.
-    fn metadata(mut config: CacheConfig) -> Result<KvCache> {
-        config.validate()?;
+    /// Allocates a cache on `backend`: for `Hip` in device memory, with nothing of it in host
+    /// memory but the block lists; for `Emu` the same path on host memory.
+    pub fn with_backend(mut config: CacheConfig, backend: Backend) -> Result<KvCache> {
+        // Sinks beyond the capacity are clamped to it (every token is then a sink).
         config.scheme.sinks = config.scheme.sinks.min(config.capacity);
-        let scheme = config.scheme;
-        let d = config.head_dim;
-        let layout = scheme.head_layout(d);
-        let sinks = scheme.sinks.min(config.capacity);
-        let pages_per_seq = (config.capacity - sinks).div_ceil(scheme.group_tokens);
+        let layout = config.layout()?;
         // The whole cache, counted in u128 first: a size no allocator can give is refused here
-        // rather than wrapping around in the usize arithmetic below.
-        let residual_rows = [scheme.k, scheme.v]
-            .iter()
-            .filter(|f| f.is_grouped_by_tokens() && pages_per_seq > 0)
-            .count()
-            * scheme.group_tokens;
-        let total = [
-            config.kv_heads,
-            pages_per_seq * layout.bytes + (2 * sinks + residual_rows) * d * 2,
-            config.sequences,
-            config.layers,
-        ]
-        .iter()
-        .try_fold(1u128, |acc, &x| acc.checked_mul(x as u128))
-        .unwrap_or(u128::MAX);
+        // rather than by a loop of allocations.
+        let per_layer =
+            layout.cache_bytes() as u128 + (config.sequences * layout.state_bytes()) as u128;
+        let total = per_layer.saturating_mul(config.layers as u128);
         if total > isize::MAX as u128 {
             return Err(Error::OutOfMemory {
                 bytes: total,
                 backend: "any",
             });
         }
-        let page_bytes = config.kv_heads * layout.bytes;
-        let total_pages = pages_per_seq * config.sequences;
-        let f16_block = |tokens: usize| config.kv_heads * tokens * d * 2;
-        let residual = |f: Format| {
-            if f.is_grouped_by_tokens() && pages_per_seq > 0 {
-                f16_block(scheme.group_tokens)
-            } else {
-                0
-            }
-        };
-        let seq_bytes = SeqBytes {
-            pages: pages_per_seq,
-            sinks: f16_block(sinks),
-            residual: [residual(scheme.k), residual(scheme.v)],
-        };
-
-        let seq = SeqState {
-            len: 0,
-            pages: Vec::with_capacity(pages_per_seq),
-            sinks: Default::default(),
-            residual: Default::default(),
-        };
-        let layer = Layer {
-            pool: Vec::new(),
-            free: (0..total_pages as u32).rev().collect(),
-            seqs: vec![seq; config.sequences],
-            outliers: None,
-        };
+        let paged = PagedCache::new(layout, config.layers, backend)?;
+        let per_seq = config.capacity.div_ceil(config.scheme.group_tokens);
+        let layers = (0..config.layers)
+            .map(|_| {
+                Ok(Layer {
+                    cache: paged.alloc(layout.cache_bytes())?,
+                    free: (0..(per_seq * config.sequences) as i32).rev().collect(),
+                    seqs: vec![Seq::default(); config.sequences],
+                    outliers: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(KvCache {
-            rope: config.rope.map(|r| RopeTable::new(r, d, config.capacity)),
-            layers: vec![layer; config.layers],
+            rope: config
+                .rope
+                .map(|r| RopeTable::new(r, config.head_dim, config.capacity)),
             config,
-            layout,
-            page_bytes,
-            seq_bytes,
+            paged,
+            layers,
             outliers_dropped: 0,
-            backend: Backend::Cpu,
-            device: None,
-        })
-    }
-
-    /// An empty device store for this cache on `backend`, with the outlier thresholds set so
-    /// far.
-    fn new_store(&self, backend: Backend) -> Result<DeviceStore> {
-        let gpu = Gpu::open(backend, self.config.head_dim)?;
-        let mut store = DeviceStore::new(
-            gpu,
-            self.config,
-            self.layout,
-            self.page_bytes,
-            self.seq_bytes,
-            self.rope.as_ref(),
-        )?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            if let Some(o) = &layer.outliers {
-                store.set_thresholds(l, 0, &o.k)?;
-                if let Some(v) = &o.v {
-                    store.set_thresholds(l, 1, v)?;
-                }
-            }
-        }
-        Ok(store)
-    }
-
-    /// Every layer with its bytes in host memory: a copy of the CPU cache's, or downloaded from
-    /// the device.
-    fn host_layers(&self) -> Result<Vec<Layer>> {
-        let Some(store) = &self.device else {
-            return Ok(self.layers.clone());
-        };
-        let mut layers = self.layers.clone();
-        for (l, layer) in layers.iter_mut().enumerate() {
-            alloc_host_bytes(layer, self.seq_bytes, self.page_bytes)?;
-            store.download_layer(l, &mut layer.pool, &mut layer.seqs)?;
-        }
-        Ok(layers)
-    }
-
-    /// A copy of this cache on the CPU backend, its bytes downloaded from the device.
-    fn host_copy(&self) -> Result<KvCache> {
-        Ok(KvCache {
-            config: self.config,
-            layout: self.layout,
-            page_bytes: self.page_bytes,
-            seq_bytes: self.seq_bytes,
-            layers: self.host_layers()?,
-            rope: self.rope.clone(),
-            outliers_dropped: self.outliers_dropped,
-            backend: Backend::Cpu,
-            device: None,
+            staging: Mutex::new(None),
+            workspace: Mutex::new(None),
         })
     }
 
@@ -281,9 +187,14 @@ impl KvCache {
         &self.config
     }
 
-    /// Layout of one head's block in a page.
+    /// The paged layout under this cache.
+    pub fn layout(&self) -> &Layout {
+        self.paged.layout()
+    }
+
+    /// Layout of one head's part of a block.
     pub fn head_layout(&self) -> &HeadLayout {
-        &self.layout
+        self.paged.layout().head_layout()
     }
 
     /// Tokens stored for `seq` in `layer`.
@@ -292,23 +203,10 @@ impl KvCache {
         Ok(self.layers[layer].seqs[seq].len)
     }
 
-    /// Bytes the cache allocated for K and V storage (pages, sinks, residual windows), in host
-    /// or device memory.
+    /// Bytes the cache allocated for K and V storage (blocks and slot states), in host or device
+    /// memory.
     pub fn allocated_bytes(&self) -> usize {
-        if let Some(store) = &self.device {
-            return store.allocated_bytes();
-        }
-        self.layers
-            .iter()
-            .map(|l| {
-                l.pool.len()
-                    + l.seqs
-                        .iter()
-                        .flat_map(|s| s.sinks.iter().chain(&s.residual))
-                        .map(Vec::len)
-                        .sum::<usize>()
-            })
-            .sum()
+        self.layers.iter().map(|l| l.cache.bytes()).sum::<usize>() + self.paged.state_pool_bytes()
     }
 
     /// Outliers that did not fit their token's slots and were clipped instead.
@@ -316,25 +214,24 @@ impl KvCache {
         self.outliers_dropped
     }
 
-    /// Bytes one attention step over `seq` in `layer` reads: every page it touches (all of them
-    /// but the open one are full), sinks and residual windows.
+    /// Bytes one attention step over `seq` in `layer` reads: the sink rows, every block it
+    /// touches (whole), and the open block's rows where a per-channel stream keeps them f16.
     pub fn bytes_read(&self, layer: usize, seq: usize) -> Result<usize> {
         let len = self.len(layer, seq)?;
+        let layout = self.paged.layout();
         let s = &self.config.scheme;
         let h = self.config.kv_heads;
         let f16_row = self.config.head_dim * 2;
-        let sinks = len.min(s.sinks);
-        let rest = len - sinks;
-        let full = rest / s.group_tokens;
-        let open = rest % s.group_tokens;
-        let mut bytes = 2 * sinks * f16_row * h + full * self.page_bytes;
+        let g = s.group_tokens;
+        let (full, open) = (len / g, len % g);
+        let mut bytes = 2 * len.min(s.sinks) * f16_row * h + full * layout.block_bytes();
         if open > 0 {
             for stream in [Stream::K, Stream::V] {
-                let l = self.layout.stream(stream);
+                let l = layout.head_layout().stream(stream);
                 bytes += h * if l.format.is_grouped_by_tokens() {
                     open * f16_row
                 } else {
-                    (l.end - l.rows) * open / s.group_tokens
+                    (l.end - l.rows) * open / g
                 };
             }
         }
@@ -349,48 +246,8 @@ impl KvCache {
         v: Option<OutlierThresholds>,
     ) -> Result<()> {
         self.check_layer_seq(layer, 0)?;
-        let (h, d) = (self.config.kv_heads, self.config.head_dim);
-        let Some(o) = self.config.scheme.outliers else {
-            return Err(Error::Unsupported(format!(
-                "scheme {} has no outlier store",
-                self.config.scheme
-            )));
-        };
-        for t in std::iter::once(&k).chain(&v) {
-            if (t.heads, t.head_dim, t.lo.len(), t.hi.len()) != (h, d, h * d, h * d) {
-                return Err(Error::Shape {
-                    what: "outlier thresholds (heads × head_dim, lo and hi)",
-                    expected: h * d,
-                    got: t.lo.len().min(t.hi.len()),
-                });
-            }
-            // A NaN or inverted range would make clipping meaningless (and panic mid-append).
-            if let Some(i) = (0..h * d).find(|&i| {
-                let (lo, hi) = (t.lo[i], t.hi[i]);
-                !(lo.is_finite() && hi.is_finite() && lo <= hi)
-            }) {
-                return Err(Error::InvalidOutlierThresholds {
-                    head: i / d,
-                    channel: i % d,
-                    lo: t.lo[i],
-                    hi: t.hi[i],
-                });
-            }
-        }
-        if o.values != v.is_some() {
-            return Err(Error::Unsupported(format!(
-                "scheme {} {} value thresholds",
-                self.config.scheme,
-                if o.values { "needs" } else { "takes no" }
-            )));
-        }
-        if let Some(store) = &mut self.device {
-            store.set_thresholds(layer, 0, &k)?;
-            if let Some(v) = &v {
-                store.set_thresholds(layer, 1, v)?;
-            }
-        }
-        self.layers[layer].outliers = Some(LayerOutliers { k, v });
+        self.paged.set_outlier_thresholds(layer, &k, v.as_ref())?;
+        self.layers[layer].outliers = Some((k, v));
         Ok(())
     }
 
@@ -456,20 +313,51 @@ impl KvCache {
         Ok(())
     }
 
-    /// Empties a sequence in every layer and returns its pages to the pool.
+    /// Empties a sequence in every layer and returns its blocks to the pool.
     pub fn clear(&mut self, seq: usize) -> Result<()> {
         self.check_layer_seq(0, seq)?;
         for layer in &mut self.layers {
             let s = &mut layer.seqs[seq];
             s.len = 0;
-            layer.free.extend(s.pages.drain(..).rev());
+            layer.free.extend(s.blocks.drain(..).rev());
         }
         Ok(())
     }
 
+    /// `parts` at addresses the backend reads, and room for `out` bytes after them on a GPU
+    /// (the last address then).
+    fn stage(&self, parts: &[&[u8]], out: usize) -> Result<Staged<'_>> {
+        if self.paged.backend() != Backend::Hip {
+            return Ok(Staged {
+                addrs: parts.iter().map(|p| p.as_ptr() as u64).collect(),
+                buffer: None,
+            });
+        }
+        let align = |n: usize| n.next_multiple_of(crate::backend::device::ALIGN);
+        let mut offsets = Vec::with_capacity(parts.len() + 1);
+        let mut end = 0;
+        for p in parts.iter().map(|p| p.len()).chain([out]) {
+            offsets.push(end);
+            end = align(end + p);
+        }
+        let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|m| m.bytes() < end) {
+            *guard = None;
+            *guard = Some(self.paged.alloc(end.max(2 * guard_len(&guard)))?);
+        }
+        let mem = guard.as_ref().expect("staging allocated");
+        for (p, &at) in parts.iter().zip(&offsets) {
+            self.paged.upload(mem, at, p, StreamHandle::DEFAULT)?;
+        }
+        Ok(Staged {
+            addrs: offsets.iter().map(|&o| mem.addr() + o as u64).collect(),
+            buffer: Some(guard),
+        })
+    }
+
     /// Appends tokens to a sequence of a layer. `k` and `v` are `n × kv_heads × head_dim`
     /// (unrotated when the cache applies RoPE). Values are rounded to f16 first. On any error
-    /// nothing is written.
+    /// nothing the sequence holds changes.
     pub fn append(&mut self, layer: usize, seq: usize, k: &[f32], v: &[f32]) -> Result<()> {
         self.check_layer_seq(layer, seq)?;
         let cfg = self.config;
@@ -502,10 +390,12 @@ impl KvCache {
         for (stream, data) in [(Stream::K, k), (Stream::V, v)] {
             check_finite(stream, data, cfg.kv_heads, cfg.head_dim)?;
         }
-        if cfg.scheme.outliers.is_some() && self.layers[layer].outliers.is_none() {
+        if !self.paged.has_thresholds(layer) {
             return Err(Error::OutliersNotCalibrated { layer });
         }
-
+        if n == 0 {
+            return Ok(());
+        }
         let mut k = k.to_vec();
         if let Some(rope) = self.rope.as_ref().filter(|_| !cfg.scheme.pre_rope) {
             for (t, token) in k.chunks_exact_mut(width).enumerate() {
@@ -516,140 +406,81 @@ impl KvCache {
             // Rotation mixes channel pairs: a key within the f16 range may leave it.
             check_finite(Stream::K, &k, cfg.kv_heads, cfg.head_dim)?;
         }
-        match self.backend {
-            Backend::Cpu => {
-                let (k, v) = (quant::round_f16_slice(&k), quant::round_f16_slice(v));
-                for t in 0..n {
-                    let row = t * width..(t + 1) * width;
-                    self.append_token(layer, seq, &k[row.clone()], &v[row]);
-                }
-                Ok(())
-            }
-            Backend::Emu | Backend::Hip => {
-                self.append_device(layer, seq, &quant::f16_bits(&k), &quant::f16_bits(v))
-            }
-        }
-    }
 
-    /// Stores validated tokens (f16 bits, `n × kv_heads × head_dim` per stream) with the
-    /// append kernels on the device. On an error the sequence is left as it was: the kernels
-    /// write only past its end, and the pages taken for the new tokens go back to the pool.
-    fn append_device(&mut self, layer: usize, seq: usize, k: &[u16], v: &[u16]) -> Result<()> {
-        let n = k.len() / (self.config.kv_heads * self.config.head_dim);
-        let (sinks, g) = (self.config.scheme.sinks, self.config.scheme.group_tokens);
-        let store = self.device.as_ref().expect("a device backend has a store");
+        // Blocks for the new positions, taken now and given back if the write fails.
+        let g = cfg.scheme.group_tokens;
         let Layer { free, seqs, .. } = &mut self.layers[layer];
         let s = &mut seqs[seq];
-        let first_pos = s.len;
-        let pages_before = s.pages.len();
-        for pos in first_pos..first_pos + n {
-            if pos >= sinks && (pos - sinks).is_multiple_of(g) {
-                let page = free
-                    .pop()
-                    .expect("pool sized for every sequence's capacity");
-                s.pages.push(page);
-            }
+        let held = s.blocks.len();
+        while s.blocks.len() < (len + n).div_ceil(g) {
+            s.blocks.push(
+                free.pop()
+                    .expect("pool sized for every sequence's capacity"),
+            );
         }
-        match store.append(layer, seq, s, pages_before, k, v) {
+        let positions: Vec<i32> = (len..len + n).map(|p| p as i32).collect();
+        let slots: Vec<i64> = (len..len + n)
+            .map(|p| i64::from(s.blocks[p / g]) * g as i64 + (p % g) as i64)
+            .collect();
+        let seq_slots = vec![seq as i32; n];
+        let result = self.write(layer, n, &k, v, &slots, &seq_slots, &positions);
+        let Layer { free, seqs, .. } = &mut self.layers[layer];
+        let s = &mut seqs[seq];
+        match result {
             Ok(dropped) => {
                 s.len += n;
                 self.outliers_dropped += dropped;
                 Ok(())
             }
             Err(e) => {
-                let taken: Vec<u32> = s.pages.drain(pages_before..).collect();
-                free.extend(taken.into_iter().rev());
+                free.extend(s.blocks.drain(held..).rev());
                 Err(e)
             }
         }
     }
 
-    /// Stores one validated, f16-rounded token (`kv_heads × head_dim` per stream).
-    fn append_token(&mut self, layer: usize, seq: usize, k: &[f32], v: &[f32]) {
-        let cfg = self.config;
-        let scheme = cfg.scheme;
-        let (d, g) = (cfg.head_dim, scheme.group_tokens);
-        let layout = self.layout;
-        let page_bytes = self.page_bytes;
-        let lay = &mut self.layers[layer];
-        let s = &mut lay.seqs[seq];
-        let pos = s.len;
-        s.len += 1;
-        if pos < scheme.sinks {
-            for (stream, x) in [(Stream::K, k), (Stream::V, v)] {
-                let buf = &mut s.sinks[stream_index(stream)];
-                for (h, head) in x.chunks_exact(d).enumerate() {
-                    write_f16_row(buf, (h * scheme.sinks + pos) * d, head);
-                }
-            }
-            return;
-        }
-        let slot = (pos - scheme.sinks) % g;
-        if slot == 0 {
-            let page = lay
-                .free
-                .pop()
-                .expect("pool sized for every sequence's capacity");
-            s.pages.push(page);
-        }
-        let page = *s.pages.last().unwrap() as usize;
-        let page_data = &mut lay.pool[page * page_bytes..(page + 1) * page_bytes];
-        for (stream, x) in [(Stream::K, k), (Stream::V, v)] {
-            let sl = layout.stream(stream);
-            let thresholds = lay.outliers.as_ref().and_then(|o| match stream {
-                Stream::K => Some(&o.k),
-                Stream::V => o.v.as_ref(),
-            });
-            if sl.format.is_grouped_by_tokens() {
-                let resid = &mut s.residual[stream_index(stream)];
-                for (h, head) in x.chunks_exact(d).enumerate() {
-                    write_f16_row(resid, (h * g + slot) * d, head);
-                }
-                if slot + 1 == g {
-                    for h in 0..cfg.kv_heads {
-                        let mut group: Vec<f32> = (0..g * d)
-                            .map(|i| quant::get_f16(resid, ((h * g) * d + i) * 2))
-                            .collect();
-                        let block = &mut page_data[h * layout.bytes..(h + 1) * layout.bytes];
-                        for t in 0..g {
-                            self.outliers_dropped += store_outliers(
-                                block,
-                                sl,
-                                t,
-                                &mut group[t * d..(t + 1) * d],
-                                thresholds.map(|th| th.head(h)),
-                            );
-                        }
-                        let Format::Chan { bits } = sl.format else {
-                            unreachable!()
-                        };
-                        let (rows, params) = block.split_at_mut(sl.params);
-                        quant::quantize_chan(
-                            bits,
-                            &group,
-                            d,
-                            &mut rows[sl.rows..sl.rows + g * sl.row_bytes],
-                            &mut params[..d * 4],
-                        );
-                    }
-                }
-            } else {
-                let pb = sl.format.params_bytes(1, d);
-                for (h, head) in x.chunks_exact(d).enumerate() {
-                    let block = &mut page_data[h * layout.bytes..(h + 1) * layout.bytes];
-                    let mut row = head.to_vec();
-                    self.outliers_dropped +=
-                        store_outliers(block, sl, slot, &mut row, thresholds.map(|th| th.head(h)));
-                    let (rows, params) = block.split_at_mut(sl.params);
-                    quant::quantize_row(
-                        sl.format,
-                        &row,
-                        &mut rows[sl.rows + slot * sl.row_bytes..][..sl.row_bytes],
-                        &mut params[slot * pb..(slot + 1) * pb],
-                    );
-                }
-            }
-        }
+    /// Stages one write and runs it; returns the outliers dropped.
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        layer: usize,
+        n: usize,
+        k: &[f32],
+        v: &[f32],
+        slots: &[i64],
+        seq_slots: &[i32],
+        positions: &[i32],
+    ) -> Result<u64> {
+        use crate::backend::device::as_bytes;
+        let staged = self.stage(
+            &[
+                as_bytes(k),
+                as_bytes(v),
+                as_bytes(slots),
+                as_bytes(seq_slots),
+                as_bytes(positions),
+            ],
+            0,
+        )?;
+        let a = &staged.addrs;
+        let batch = KvBatch {
+            tokens: n,
+            dtype: DType::F32,
+            k: a[0],
+            v: a[1],
+            slot_mapping: a[2],
+            seq_slots: a[3],
+            positions: a[4],
+        };
+        let stream = StreamHandle::DEFAULT;
+        // SAFETY: the staged arrays hold what `batch` says and live until `check` below has
+        // waited for the work; the layer's cache is this layer's allocation of `cache_bytes`.
+        unsafe {
+            self.paged
+                .write_kv(layer, self.layers[layer].cache.addr(), &batch, stream)?
+        };
+        self.paged.check(stream)?;
+        self.paged.take_outliers_dropped(stream)
     }
 
     /// Attends one query chunk of `seq` over layer `layer`: `q` is `q_len × q_heads × head_dim`
@@ -679,8 +510,8 @@ impl KvCache {
     }
 
     /// [`attend_many`](Self::attend_many), timing the device's work: the seconds from just
-    /// before the attention kernel to just after the combine kernel (device events on a GPU,
-    /// the wall clock of the emulated launches on `Emu`), without the query upload and output
+    /// before the first attention kernel to just after the last (device events on a GPU, the
+    /// wall clock of the emulated launches on `Emu`), without the query upload and output
     /// download. `None` on the CPU backend, where the call itself is the work.
     pub fn attend_many_timed(
         &self,
@@ -688,7 +519,8 @@ impl KvCache {
         queries: &mut [Query<'_>],
         softmax_scale: f32,
     ) -> Result<Option<f64>> {
-        self.attend_inner(layer, queries, softmax_scale, true)
+        let timed = self.backend() != Backend::Cpu;
+        self.attend_inner(layer, queries, softmax_scale, timed)
     }
 
     fn attend_inner(
@@ -738,72 +570,209 @@ impl KvCache {
         if !softmax_scale.is_finite() {
             return Err(Error::BadSoftmaxScale(softmax_scale));
         }
-        let lay = &self.layers[layer];
-        match &self.device {
-            None => {
-                let seqs: Vec<&SeqState> = queries.iter().map(|q| &lay.seqs[q.seq]).collect();
-                cpu::attend(&self.view(layer), &seqs, queries, softmax_scale);
-                Ok(None)
-            }
-            Some(store) => {
-                let seqs: Vec<(usize, &SeqState)> =
-                    queries.iter().map(|q| (q.seq, &lay.seqs[q.seq])).collect();
-                store.attend(
-                    layer,
-                    self.rope.as_ref(),
-                    &seqs,
-                    queries,
-                    softmax_scale,
-                    timed,
-                )
-            }
+        if queries.is_empty() {
+            return Ok(None);
         }
+
+        // The batch, as a server would pass it.
+        let lay = &self.layers[layer];
+        let seqs: Vec<&Seq> = queries.iter().map(|q| &lay.seqs[q.seq]).collect();
+        let widest = seqs
+            .iter()
+            .map(|s| s.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut q = Vec::new();
+        let mut starts = vec![0i32];
+        for (query, s) in queries.iter().zip(&seqs) {
+            let first = q.len();
+            q.extend_from_slice(query.q);
+            let q_len = query.q.len() / width;
+            if let Some(rope) = &self.rope {
+                for (t, token) in q[first..].chunks_exact_mut(width).enumerate() {
+                    for head in token.chunks_exact_mut(cfg.head_dim) {
+                        rope.rotate(head, s.len - q_len + t);
+                    }
+                }
+            }
+            starts.push((q.len() / width) as i32);
+        }
+        let tokens = q.len() / width;
+        let lens: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
+        let slots: Vec<i32> = queries.iter().map(|q| q.seq as i32).collect();
+        let mut tables = vec![0i32; seqs.len() * widest];
+        for (row, s) in tables.chunks_exact_mut(widest).zip(&seqs) {
+            row[..s.blocks.len()].copy_from_slice(&s.blocks);
+        }
+        let mut out = vec![0f32; q.len()];
+        let seconds = self.run_attend(
+            layer,
+            QueryShape {
+                tokens,
+                max_q_len: (starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)) as usize,
+                max_seq_len: seqs.iter().map(|s| s.len).max().unwrap_or(0),
+                widest,
+                scale: softmax_scale,
+            },
+            [&q, &starts, &lens, &tables, &slots],
+            &mut out,
+            timed,
+        )?;
+        let mut at = 0;
+        for query in queries.iter_mut() {
+            let n = query.out.len();
+            query.out.copy_from_slice(&out[at..at + n]);
+            at += n;
+        }
+        Ok(seconds)
     }
 
-    /// Moves the cache to `backend`: its bytes are copied to the device (or back) and appends
-    /// and attention run there from now on. On an error (no such device, out of memory) the
-    /// cache stays where it was.
-    pub fn set_backend(&mut self, backend: Backend) -> Result<()> {
-        if backend == self.backend {
-            return Ok(());
+    /// Stages a batch (`[q, query_start_loc, seq_lens, block_tables, seq_slots]`) and runs it.
+    fn run_attend(
+        &self,
+        layer: usize,
+        shape: QueryShape,
+        [q, starts, lens, tables, slots]: [&dyn AsBytes; 5],
+        out: &mut [f32],
+        timed: bool,
+    ) -> Result<Option<f64>> {
+        let limits = BatchLimits {
+            max_tokens: shape.tokens,
+        };
+        let mut ws = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        if ws.as_ref().is_none_or(|(_, l)| l.max_tokens < shape.tokens) {
+            let grown = BatchLimits {
+                max_tokens: shape
+                    .tokens
+                    .max(ws.as_ref().map_or(0, |(_, l)| 2 * l.max_tokens)),
+            };
+            *ws = None;
+            let bytes = self.paged.layout().workspace_bytes(grown);
+            *ws = Some((self.paged.alloc(bytes)?, grown));
         }
-        let mut layers = self.host_layers()?;
-        let store = match backend {
-            Backend::Cpu => None,
-            _ => {
-                let store = self.new_store(backend)?;
-                for (l, layer) in layers.iter_mut().enumerate() {
-                    store.upload_layer(l, &layer.pool, &layer.seqs)?;
-                    free_host_bytes(layer);
-                }
-                Some(store)
+        let (ws_mem, ws_limits) = ws.as_ref().expect("workspace allocated");
+        debug_assert!(ws_limits.max_tokens >= limits.max_tokens);
+        let out_bytes = size_of_val(out);
+        let staged = self.stage(
+            &[
+                q.bytes(),
+                starts.bytes(),
+                lens.bytes(),
+                tables.bytes(),
+                slots.bytes(),
+            ],
+            out_bytes,
+        )?;
+        let a = &staged.addrs;
+        let on_gpu = a.len() == 6;
+        let out_addr = if on_gpu {
+            a[5]
+        } else {
+            out.as_mut_ptr() as u64
+        };
+        let batch = QueryBatch {
+            num_seqs: lens.bytes().len() / 4,
+            tokens: shape.tokens,
+            max_q_len: shape.max_q_len,
+            max_seq_len: shape.max_seq_len,
+            max_blocks_per_seq: shape.widest,
+            dtype: DType::F32,
+            softmax_scale: shape.scale,
+            q: a[0],
+            out: out_addr,
+            query_start_loc: a[1],
+            seq_lens: a[2],
+            block_tables: a[3],
+            seq_slots: a[4],
+        };
+        let workspace = Workspace {
+            addr: ws_mem.addr(),
+            limits: *ws_limits,
+        };
+        let cache = self.layers[layer].cache.addr();
+        let stream = StreamHandle::DEFAULT;
+        // SAFETY: the staged arrays hold what `batch` says, the output has room for every
+        // query row, the workspace is sized for its limits, and all live until `check` below
+        // has waited for the work.
+        let seconds = unsafe {
+            if timed {
+                Some(
+                    self.paged
+                        .attend_timed(layer, cache, &batch, &workspace, stream)?,
+                )
+            } else {
+                self.paged
+                    .attend(layer, cache, &batch, &workspace, stream)?;
+                None
             }
         };
-        self.layers = layers;
-        self.device = store;
-        self.backend = backend;
+        self.paged.check(stream)?;
+        if on_gpu {
+            let mem = staged
+                .buffer
+                .as_ref()
+                .and_then(|g| g.as_ref())
+                .expect("staged");
+            let mut bytes = vec![0u8; out_bytes];
+            self.paged
+                .download(mem, (a[5] - mem.addr()) as usize, &mut bytes, stream)?;
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+            }
+        }
+        Ok(seconds)
+    }
+
+    /// Moves the cache to `backend`: its blocks and slot states are copied to the device (or
+    /// back) and appends and attention run there from now on. On an error (no such device, out
+    /// of memory) the cache stays where it was.
+    pub fn set_backend(&mut self, backend: Backend) -> Result<()> {
+        if backend == self.backend() {
+            return Ok(());
+        }
+        let mut paged = PagedCache::new(*self.paged.layout(), self.config.layers, backend)?;
+        let mut caches = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut bytes = vec![0u8; layer.cache.bytes()];
+            self.paged
+                .download(&layer.cache, 0, &mut bytes, StreamHandle::DEFAULT)?;
+            let mem = paged.alloc(bytes.len())?;
+            paged.upload(&mem, 0, &bytes, StreamHandle::DEFAULT)?;
+            caches.push(mem);
+            for slot in 0..self.config.sequences {
+                paged.upload_state(l, slot, &self.paged.download_state(l, slot)?)?;
+            }
+            if let Some((k, v)) = &layer.outliers {
+                paged.set_outlier_thresholds(l, k, v.as_ref())?;
+            }
+        }
+        for (layer, cache) in self.layers.iter_mut().zip(caches) {
+            layer.cache = cache;
+        }
+        self.paged = paged;
+        *self.staging.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.workspace.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(())
     }
 
     /// The GPU the cache lives on (`Backend::Hip`).
     pub fn device(&self) -> Option<&Device> {
-        self.device.as_ref().and_then(DeviceStore::device)
+        self.paged.device()
     }
 
     /// The backend attention runs on.
     pub fn backend(&self) -> Backend {
-        self.backend
+        self.paged.backend()
     }
 
-    /// The attention backend's read-only view of one layer.
-    fn view(&self, layer: usize) -> cpu::CacheView<'_> {
-        cpu::CacheView {
-            config: &self.config,
-            layout: &self.layout,
-            page_bytes: self.page_bytes,
-            pool: &self.layers[layer].pool,
-            rope: self.rope.as_ref(),
-        }
+    /// The host bytes of one layer's blocks and of one sequence's state.
+    fn host_layer(&self, layer: usize, seq: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        let mem = &self.layers[layer].cache;
+        let mut cache = vec![0u8; mem.bytes()];
+        self.paged
+            .download(mem, 0, &mut cache, StreamHandle::DEFAULT)?;
+        Ok((cache, self.paged.download_state(layer, seq)?))
     }
 
     /// Dequantizes everything stored for `seq` in `layer`: `(k, v)`, each
@@ -811,18 +780,24 @@ impl KvCache {
     /// measurements; attention itself never makes this copy.
     pub fn read_back(&self, layer: usize, seq: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_layer_seq(layer, seq)?;
-        if self.device.is_some() {
-            return self.host_copy()?.read_back(layer, seq);
-        }
         let cfg = &self.config;
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        let lay = &self.layers[layer];
-        let s = &lay.seqs[seq];
-        let view = self.view(layer);
+        let s = &self.layers[layer].seqs[seq];
+        let (cache, state) = self.host_layer(layer, seq)?;
+        let view = CacheView {
+            layout: self.paged.layout(),
+            cache: &cache,
+            rope: None,
+        };
+        let paged_seq = PagedSeq {
+            len: s.len,
+            blocks: &s.blocks,
+            state: &state,
+        };
         let mut k = vec![0f32; s.len * h * d];
         let mut v = vec![0f32; s.len * h * d];
         for head in 0..h {
-            for block in view.blocks(s, head, 0..usize::MAX) {
+            for block in view.blocks(&paged_seq, head, 0..usize::MAX) {
                 for t in 0..block.tokens {
                     let pos = block.first_pos + t;
                     let at = (pos * h + head) * d;
@@ -837,94 +812,81 @@ impl KvCache {
         Ok((k, v))
     }
 
-    /// Everything stored for `seq` in `layer`, as bytes in a canonical order: its pages in
-    /// block-table order, the sink rows it holds, then the residual-window rows that hold
-    /// tokens (keys, then values). Two caches that stored the same tokens the same way return
-    /// the same bytes, whichever pages they were given: tests compare backends with it.
+    /// Everything stored for `seq` in `layer`, as bytes in a canonical order: its blocks in
+    /// block-list order, the sink rows it holds, then the residual-window rows that hold tokens
+    /// (keys, then values). Two caches that stored the same tokens the same way return the same
+    /// bytes, whichever blocks they were given: tests compare backends with it.
     pub fn stored_bytes(&self, layer: usize, seq: usize) -> Result<Vec<u8>> {
         self.check_layer_seq(layer, seq)?;
-        if self.device.is_some() {
-            return self.host_copy()?.stored_bytes(layer, seq);
-        }
+        let layout = self.paged.layout();
         let (h, row) = (self.config.kv_heads, self.config.head_dim * 2);
         let (sinks, g) = (self.config.scheme.sinks, self.config.scheme.group_tokens);
-        let lay = &self.layers[layer];
-        let s = &lay.seqs[seq];
+        let s = &self.layers[layer].seqs[seq];
+        let (cache, state) = self.host_layer(layer, seq)?;
         let mut out = Vec::new();
-        for &page in &s.pages {
-            out.extend_from_slice(&lay.pool[page as usize * self.page_bytes..][..self.page_bytes]);
+        for &block in &s.blocks {
+            out.extend_from_slice(
+                &cache[block as usize * layout.block_bytes()..][..layout.block_bytes()],
+            );
         }
         let held = s.len.min(sinks);
-        for buf in &s.sinks {
+        for stream in [Stream::K, Stream::V] {
+            let at = layout.sinks_offset(stream);
             for head in 0..h {
-                out.extend_from_slice(&buf[head * sinks * row..][..held * row]);
+                out.extend_from_slice(&state[at + head * sinks * row..][..held * row]);
             }
         }
-        let open = s.len.saturating_sub(sinks) % g;
-        for buf in s.residual.iter().filter(|b| !b.is_empty()) {
+        // The open block's rows past the sinks wait in the residual windows.
+        let open = s.len % g;
+        let first = sinks.saturating_sub(s.len - open).min(open);
+        for stream in [Stream::K, Stream::V] {
+            if !layout
+                .head_layout()
+                .stream(stream)
+                .format
+                .is_grouped_by_tokens()
+            {
+                continue;
+            }
+            let at = layout.residual_offset(stream);
             for head in 0..h {
-                out.extend_from_slice(&buf[head * g * row..][..open * row]);
+                out.extend_from_slice(
+                    &state[at + (head * g + first) * row..][..(open - first) * row],
+                );
             }
         }
         Ok(out)
     }
 }
 
-/// Gives a layer's metadata its host bytes, zeroed: the pool and each sequence's sinks and
-/// residual windows.
-fn alloc_host_bytes(layer: &mut Layer, sizes: SeqBytes, page_bytes: usize) -> Result<()> {
-    layer.pool = zeroed_bytes(sizes.pages * layer.seqs.len() * page_bytes)?;
-    for s in &mut layer.seqs {
-        s.sinks = [zeroed_bytes(sizes.sinks)?, zeroed_bytes(sizes.sinks)?];
-        s.residual = [
-            zeroed_bytes(sizes.residual[0])?,
-            zeroed_bytes(sizes.residual[1])?,
-        ];
-    }
-    Ok(())
+/// The host-side shape of one attention batch.
+struct QueryShape {
+    tokens: usize,
+    max_q_len: usize,
+    max_seq_len: usize,
+    widest: usize,
+    scale: f32,
 }
 
-/// `n` zeroed bytes, or [`Error::OutOfMemory`] where `vec![0; n]` would abort the process.
-fn zeroed_bytes(n: usize) -> Result<Vec<u8>> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let oom = Error::OutOfMemory {
-        bytes: n as u128,
-        backend: "cpu",
-    };
-    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| oom.clone())?;
-    // SAFETY: the layout has a non-zero size.
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-    if ptr.is_null() {
-        return Err(oom);
-    }
-    // SAFETY: `ptr` is a global-allocator allocation of exactly `n` bytes with u8's layout,
-    // all initialized (zeroed); the Vec takes ownership of it.
-    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+/// Plain numbers a call stages, as bytes.
+trait AsBytes {
+    fn bytes(&self) -> &[u8];
 }
 
-/// Drops a layer's host bytes, keeping its metadata.
-fn free_host_bytes(layer: &mut Layer) {
-    layer.pool = Vec::new();
-    for s in &mut layer.seqs {
-        s.sinks = Default::default();
-        s.residual = Default::default();
+impl<T: crate::hip::DeviceCopy> AsBytes for Vec<T> {
+    fn bytes(&self) -> &[u8] {
+        crate::backend::device::as_bytes(self)
     }
 }
 
-fn write_f16_row(buf: &mut [u8], elem: usize, x: &[f32]) {
-    for (j, &v) in x.iter().enumerate() {
-        put_f16(buf, (elem + j) * 2, f16::from_f32(v));
-    }
+fn guard_len(guard: &Option<DeviceMemory>) -> usize {
+    guard.as_ref().map_or(0, DeviceMemory::bytes)
 }
 
 /// Rejects NaN, ±Inf and values beyond the f16 range, naming the first one.
 fn check_finite(stream: Stream, x: &[f32], heads: usize, head_dim: usize) -> Result<()> {
-    match x
-        .iter()
-        .position(|v| !v.is_finite() || v.abs() > f32::from(f16::MAX))
-    {
+    let max = f32::from(half::f16::MAX);
+    match x.iter().position(|v| !v.is_finite() || v.abs() > max) {
         None => Ok(()),
         Some(i) => Err(Error::NonFinite {
             stream,
@@ -934,27 +896,4 @@ fn check_finite(stream: Stream, x: &[f32], heads: usize, head_dim: usize) -> Res
             value: x[i],
         }),
     }
-}
-
-/// Moves the outliers of `row` (token `slot` of a head block) into the sparse store, clipping
-/// them in `row`. Returns how many were dropped for lack of slots.
-fn store_outliers(
-    block: &mut [u8],
-    sl: &StreamLayout,
-    slot: usize,
-    row: &mut [f32],
-    thresholds: Option<(&[f32], &[f32])>,
-) -> u64 {
-    let Some((lo, hi)) = thresholds else {
-        return 0;
-    };
-    let (kept, dropped) = quant::split_outliers(row, lo, hi, sl.outlier_slots);
-    let count_at = sl.counts + slot * OUTLIER_COUNT_BYTES;
-    block[count_at..count_at + 2].copy_from_slice(&(kept.len() as u16).to_le_bytes());
-    for (i, o) in kept.iter().enumerate() {
-        let at = sl.slots + (slot * sl.outlier_slots + i) * OUTLIER_SLOT_BYTES;
-        block[at..at + 2].copy_from_slice(&o.channel.to_le_bytes());
-        put_f16(block, at + 2, f16::from_f32(o.value));
-    }
-    dropped as u64
 }

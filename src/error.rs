@@ -86,6 +86,55 @@ pub enum Error {
     BackendUnavailable { backend: &'static str, why: String },
     #[error(transparent)]
     Hip(#[from] crate::hip::HipError),
+    #[error(
+        "{kernel} skipped {item_kind} {item}: {what} {index} out of range ({})",
+        if *what == "slot offset" { format!("expected {limit}") } else { format!("< {limit}") }
+    )]
+    DeviceIndex {
+        /// The call whose kernel found it: `write_kv`, `attend` or `copy_blocks`.
+        kernel: &'static str,
+        /// `token`, `sequence` or `block pair`: what the kernel skipped.
+        item_kind: &'static str,
+        /// Its index in the call's batch.
+        item: usize,
+        /// What was out of range, such as `block id` or `sequence slot`.
+        what: &'static str,
+        index: i64,
+        /// The bound it broke (exclusive), or for a slot offset the offset expected.
+        limit: i64,
+    },
+}
+
+impl Error {
+    /// The typed error of a sticky device error word.
+    pub(crate) fn from_device(e: &crate::abi::hipkv_device_error) -> Error {
+        use crate::abi::*;
+        let (kernel, item_kind) = match e.kernel {
+            HIPKV_CHECK_WRITE => ("write_kv", "token"),
+            HIPKV_CHECK_ATTEND => ("attend", "sequence"),
+            HIPKV_CHECK_COPY_BLOCKS => ("copy_blocks", "block pair"),
+            _ => ("an unknown kernel", "item"),
+        };
+        let what = match e.what {
+            HIPKV_BAD_SEQ_SLOT => "sequence slot",
+            HIPKV_BAD_SLOT => "cache slot",
+            HIPKV_BAD_POSITION => "position",
+            HIPKV_BAD_SLOT_OFFSET => "slot offset",
+            HIPKV_BAD_QUERY_RANGE => "query start",
+            HIPKV_BAD_QUERY_LEN => "query length",
+            HIPKV_BAD_SEQ_LEN => "sequence length",
+            HIPKV_BAD_BLOCK => "block id",
+            _ => "index",
+        };
+        Error::DeviceIndex {
+            kernel,
+            item_kind,
+            item: e.item as usize,
+            what,
+            index: e.index,
+            limit: e.limit,
+        }
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -47,9 +47,9 @@ pub fn attention_kernel_name(k: crate::Format, v: crate::Format, head_dim: usize
     )
 }
 
-/// The name of the append kernel that writes new tokens into a stream stored in `format`.
-pub fn append_kernel_name(format: crate::Format, head_dim: usize) -> String {
-    format!("hipkv_append_{}_d{head_dim}", format.kernel_name())
+/// The name of the write kernel that stores new tokens into a stream stored in `format`.
+pub fn write_kernel_name(format: crate::Format, head_dim: usize) -> String {
+    format!("hipkv_write_{}_d{head_dim}", format.kernel_name())
 }
 
 #[cfg(test)]

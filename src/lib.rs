@@ -12,6 +12,7 @@ pub mod error;
 pub mod eval;
 pub mod hip;
 pub mod kernels;
+pub mod paged;
 pub mod quant;
 pub mod rope;
 pub mod scheme;

@@ -421,11 +421,12 @@ impl Scheme {
     }
 
     /// Exact storage of one sequence of `capacity` tokens for one KV head, as the cache allocates
-    /// it: sinks, pages (with parameters and outlier slots) and the residual window.
+    /// it: sinks, pages (with parameters and outlier slots; the sinks' rows in them included,
+    /// never read) and the residual window.
     pub fn memory(&self, head_dim: usize, capacity: usize) -> Memory {
         let f16_row = head_dim * 2;
         let sinks = self.sinks.min(capacity);
-        let pages = (capacity - sinks).div_ceil(self.group_tokens);
+        let pages = capacity.div_ceil(self.group_tokens);
         let layout = self.head_layout(head_dim);
         let residual = |f: Format| {
             if f.is_grouped_by_tokens() && pages > 0 {
@@ -770,7 +771,7 @@ mod tests {
         let s: Scheme = "kivi2,sinks=4".parse().unwrap();
         let m = s.memory(64, 100);
         assert_eq!(m.sink_bytes, 2 * 4 * 128);
-        assert_eq!(m.page_bytes, 3 * s.head_layout(64).bytes);
+        assert_eq!(m.page_bytes, 4 * s.head_layout(64).bytes);
         assert_eq!(m.residual_bytes, 32 * 128);
     }
 }

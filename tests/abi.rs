@@ -17,6 +17,8 @@ fn generate() -> Result<String, String> {
         .header(header.to_string_lossy())
         .allowlist_type("hipkv_.*")
         .allowlist_var("HIPKV_.*")
+        // Enumerators under their C names (`HIPKV_Q8`, not `hipkv_format_HIPKV_Q8`).
+        .prepend_enum_name(false)
         .derive_default(true)
         .derive_debug(true)
         .derive_copy(true)

@@ -86,10 +86,17 @@ fn model(
         let mut y = x.clone();
         for head in 0..h {
             let at = |pos: usize| (pos * h + head) * d;
-            for first in (s.sinks.min(len)..len).step_by(g) {
-                let n = g.min(len - first);
-                if f.is_grouped_by_tokens() && n < g {
-                    continue; // residual window: f16, already in `y`
+            // Block b holds positions b·g..(b + 1)·g; those below `sinks` live f16 in the
+            // slot state instead, and are left out of the block.
+            for block in (0..len).step_by(g) {
+                let first = block.max(s.sinks);
+                let end = (block + g).min(len);
+                if first >= end {
+                    continue;
+                }
+                let n = end - first;
+                if f.is_grouped_by_tokens() && block + g > len {
+                    continue; // the open block, in the residual window: f16, already in `y`
                 }
                 let mut dense: Vec<f32> = Vec::with_capacity(n * d);
                 let mut kept = Vec::new();
@@ -106,7 +113,7 @@ fn model(
                 match f {
                     Format::Chan { bits } => {
                         let rb = f.row_bytes(d);
-                        let mut rows = vec![0u8; g * rb];
+                        let mut rows = vec![0u8; n * rb];
                         let mut params = vec![0u8; d * 4];
                         quantize_chan(bits, &dense, d, &mut rows, &mut params);
                         for t in 0..n {
@@ -756,7 +763,8 @@ fn memory_matches_allocation() {
                 assert_eq!(m.capacity, capacity);
                 let sinks = cfg.scheme.sinks.min(capacity);
                 assert_eq!(m.sink_bytes, 2 * sinks * 2 * d, "{name}");
-                let pages = (capacity - sinks).div_ceil(cfg.scheme.group_tokens);
+                // Every position has its block row, the sinks' too (never read).
+                let pages = capacity.div_ceil(cfg.scheme.group_tokens);
                 assert_eq!(
                     m.page_bytes,
                     pages * cfg.scheme.head_layout(d).bytes,

@@ -167,10 +167,12 @@ fn device_errors_leave_the_cache_as_it_was() {
         assert!(matches!(err, Error::Shape { .. }), "{err}");
         unchanged(&cache, "shape");
 
+        // A query chunk (prefill) attends causally on every backend.
         let q = rng.normals(2 * cfg.q_heads * cfg.head_dim);
         let mut out = vec![0f32; q.len()];
-        let err = cache.attend(0, 0, &q, 0.1, &mut out).unwrap_err();
-        assert!(matches!(err, Error::Unsupported(_)), "{err}");
+        cache.attend(0, 0, &q, 0.1, &mut out).unwrap();
+        let want = naive_attend(&cache, 0, &q, 0.1);
+        assert_rows_close(&out, &want, 64, 1e-5, &format!("{backend:?} chunk"));
         unchanged(&cache, "chunked query");
 
         let mut outliers =
@@ -233,10 +235,11 @@ fn timed_attention_reports_device_time_only() {
 /// the address space is refused before any arithmetic can wrap.
 #[test]
 fn a_cache_too_large_is_out_of_memory_not_an_abort() {
-    // 2^20 sequences × 2^20 tokens × 8 KV heads × 512 bytes: 4 PiB of f16.
-    let mut huge = config("f16", 8, 4, 128, 1 << 20);
-    huge.sequences = 1 << 20;
-    let want = (1u128 << 40) * 8 * 512;
+    // 2^15 sequences × 2^20 tokens × 64 KV heads × 1024 bytes: 2 PiB of f16 (in 2^30 blocks,
+    // which i32 block ids still address).
+    let mut huge = config("f16", 64, 1, 256, 1 << 20);
+    huge.sequences = 1 << 15;
+    let want = (1u128 << 35) * 64 * 1024;
     for backend in [Backend::Cpu].into_iter().chain(device_backends()) {
         match KvCache::with_backend(huge, backend) {
             Err(Error::OutOfMemory { bytes, .. }) => assert!(bytes >= want / 2, "{bytes}"),

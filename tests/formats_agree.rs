@@ -44,21 +44,18 @@ fn format_numbers_agree_with_the_header() {
         group: ChannelGroup::Channels(32),
     };
     for (f, code) in [
-        (Format::F16, hipkv_format_HIPKV_F16),
-        (Format::Q8, hipkv_format_HIPKV_Q8),
-        (Format::Q8_0, hipkv_format_HIPKV_Q8_0),
-        (tok(LowBits::Four), hipkv_format_HIPKV_Q4_TOK),
-        (tok(LowBits::Two), hipkv_format_HIPKV_Q2_TOK),
+        (Format::F16, HIPKV_F16),
+        (Format::Q8, HIPKV_Q8),
+        (Format::Q8_0, HIPKV_Q8_0),
+        (tok(LowBits::Four), HIPKV_Q4_TOK),
+        (tok(LowBits::Two), HIPKV_Q2_TOK),
         (
             Format::Chan {
                 bits: LowBits::Four,
             },
-            hipkv_format_HIPKV_Q4_CHAN,
+            HIPKV_Q4_CHAN,
         ),
-        (
-            Format::Chan { bits: LowBits::Two },
-            hipkv_format_HIPKV_Q2_CHAN,
-        ),
+        (Format::Chan { bits: LowBits::Two }, HIPKV_Q2_CHAN),
     ] {
         assert_eq!(f.abi_code(), code, "{f}");
     }

@@ -1,4 +1,4 @@
-//! The gfx1201 resource report of the embedded kernels: every attention and append kernel is
+//! The gfx1201 resource report of the embedded kernels: every attention and write kernel is
 //! there, none spills or uses scratch, and every decode kernel keeps at least 8 waves per SIMD. Without
 //! embedded kernels (no HIP compiler at build time) the checks are skipped and say why, unless
 //! `HIPKV_REQUIRE_HIP=1`, which makes that a failure.
@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use hipkv::codeobj::{KernelResources, embedded_kernels, resource_table};
-use hipkv::kernels::{append_kernel_name, attention_kernel_name, code_objects, gpu_build_skipped};
+use hipkv::kernels::{attention_kernel_name, code_objects, gpu_build_skipped, write_kernel_name};
 use hipkv::scheme::HEAD_DIMS;
 
 #[path = "common/toolchain.rs"]
@@ -70,8 +70,10 @@ fn every_attention_kernel_is_built() {
             }
         }
     }
-    if !has("hipkv_attn_combine") {
-        missing.push("hipkv_attn_combine".into());
+    for name in ["hipkv_attn_prep", "hipkv_attn_combine"] {
+        if !has(name) {
+            missing.push(name.into());
+        }
     }
     check(
         &kernels,
@@ -81,18 +83,19 @@ fn every_attention_kernel_is_built() {
 }
 
 #[test]
-fn every_append_kernel_is_built() {
+fn every_write_kernel_is_built() {
     let Some(kernels) = gfx1201_kernels() else {
         return;
     };
     let has = |name: &str| kernels.iter().any(|k| k.name == name);
     let mut missing: Vec<String> = FORMATS
         .iter()
-        .flat_map(|f| HEAD_DIMS.map(|d| append_kernel_name(f.parse().unwrap(), d)))
+        .flat_map(|f| HEAD_DIMS.map(|d| write_kernel_name(f.parse().unwrap(), d)))
+        .chain(HEAD_DIMS.map(|d| format!("hipkv_write_residual_d{d}")))
         .filter(|name| !has(name))
         .collect();
-    if !has("hipkv_append_residual") {
-        missing.push("hipkv_append_residual".into());
+    if !has("hipkv_copy_blocks") {
+        missing.push("hipkv_copy_blocks".into());
     }
     check(
         &kernels,
@@ -147,7 +150,7 @@ fn decode_kernels_keep_eight_waves_per_simd() {
     );
 }
 
-/// `hipkv_attn_<k>_<v>_d<head_dim>`, not `hipkv_attn_combine`.
+/// `hipkv_attn_<k>_<v>_d<head_dim>`, not `hipkv_attn_prep` or `hipkv_attn_combine`.
 fn is_decode(name: &str) -> bool {
     name.strip_prefix("hipkv_attn_")
         .and_then(|rest| rest.rsplit_once("_d"))
@@ -159,5 +162,6 @@ fn decode_kernel_names() {
     assert!(is_decode("hipkv_attn_q8_0_q2_chan_d256"));
     assert!(is_decode("hipkv_attn_f16_f16_d64"));
     assert!(!is_decode("hipkv_attn_combine"));
+    assert!(!is_decode("hipkv_attn_prep"));
     assert!(!is_decode("hipkv_attn_f16_f16_d"));
 }

@@ -24,15 +24,20 @@ enum hipkv_format {
 
 // Query heads per KV head the attention kernels handle at most.
 #define HIPKV_MAX_GQA 16
-// Query heads one attention workgroup computes, by head_dim: a GQA group of up to this many
-// reads each cached byte once; larger groups take several workgroups per KV head (whose repeat
-// reads usually hit L2). The per-lane state of these rows stays in registers at 8+ waves/SIMD.
-#define HIPKV_ROWS(head_dim) ((head_dim) <= 128 ? 8 : 4)
+// Query rows (token × GQA head) one attention wave computes. Four keep every row's softmax state
+// and accumulator in registers with room to spare at 8 waves per SIMD, with no spills, at every
+// head_dim; a GQA group of more heads takes several waves of one workgroup, which read the same
+// blocks at the same time, so a cached byte still comes from memory once per workgroup.
+#define HIPKV_ROWS(head_dim) 4
 // Lanes of a wave (wave32 on gfx1201; a warp on CUDA).
 #define HIPKV_WAVE 32
-// Work-items per workgroup of every kernel: one wave. A decode workgroup needs no more: its
-// wave scores 32 tokens at once (one per lane), and more parallelism comes from splits.
+// Work-items per workgroup of every kernel but attention: one wave.
 #define HIPKV_THREADS 32
+// Waves per attention workgroup, at most: a decode-only batch launches one per HIPKV_ROWS heads
+// of the GQA group (its wave scores 32 tokens at once, one per lane; splits fill the GPU), a
+// batch with prefill chunks this many, each wave taking HIPKV_ROWS query rows of the tile over
+// the same blocks.
+#define HIPKV_MAX_WAVES 4
 
 // Where one stream (K or V) lives inside the block of one head in a page.
 typedef struct hipkv_stream_layout {
@@ -46,81 +51,150 @@ typedef struct hipkv_stream_layout {
     uint32_t residual;      // 1: the open page's tokens stay f16 in the residual window
 } hipkv_stream_layout;
 
-// Split-K decode attention: one workgroup per (query, KV head × row group, split); every query
-// head of the row group (HIPKV_ROWS of the GQA group) is computed by that workgroup.
-typedef struct hipkv_attn_params {
-    const uint8_t *pool;          // page pool of the layer
-    uint64_t page_bytes;          // bytes of one page (all KV heads)
-    uint32_t head_block_bytes;    // bytes of one head's block in a page
+// Input and output element types of the paged calls.
+enum hipkv_dtype {
+    HIPKV_DTYPE_F16 = 0,
+    HIPKV_DTYPE_BF16 = 1,
+    HIPKV_DTYPE_F32 = 2,
+};
+
+// What a server passed that the kernels found out of range (`hipkv_device_error::what`).
+enum hipkv_bad_index {
+    HIPKV_BAD_NONE = 0,
+    HIPKV_BAD_SEQ_SLOT = 1,     // a sequence slot >= the layout's max_seqs
+    HIPKV_BAD_SLOT = 2,         // a slot outside the layout's blocks
+    HIPKV_BAD_POSITION = 3,     // a position beyond max_positions
+    HIPKV_BAD_SLOT_OFFSET = 4,  // slot % block_tokens != position % block_tokens
+    HIPKV_BAD_QUERY_RANGE = 5,  // query_start_loc not increasing within the batch's tokens
+    HIPKV_BAD_QUERY_LEN = 6,    // more query tokens than the sequence holds, or than max_q_len
+    HIPKV_BAD_SEQ_LEN = 7,      // a length beyond max_seq_len, the block table or max_positions
+    HIPKV_BAD_BLOCK = 8,        // a block id outside the layout's blocks
+};
+
+// Which kernel found it (`hipkv_device_error::kernel`).
+enum hipkv_checked_kernel {
+    HIPKV_CHECK_WRITE = 1,
+    HIPKV_CHECK_ATTEND = 2,
+    HIPKV_CHECK_COPY_BLOCKS = 3,
+};
+
+// The sticky error word: the first out-of-range index any kernel met since the last check.
+// A kernel sets it with an atomic compare-and-swap on `what` (0 -> code), then fills the rest.
+typedef struct hipkv_device_error {
+    uint32_t what;      // hipkv_bad_index; 0: nothing found
+    uint32_t kernel;    // hipkv_checked_kernel
+    uint32_t item;      // the token (write) or batch sequence (attend) or pair (copy)
+    uint32_t reserved;
+    int64_t index;      // the value found
+    int64_t limit;      // the bound it broke (exclusive; for SLOT_OFFSET, the expected offset)
+} hipkv_device_error;
+
+// The geometry every paged kernel shares: one layer's blocks and one slot's state.
+typedef struct hipkv_paged_geometry {
+    uint64_t block_bytes;       // bytes of one block (all KV heads)
+    uint32_t head_block_bytes;  // bytes of one head's part of a block
     uint32_t kv_heads;
-    uint32_t gqa;                 // query heads per KV head (<= HIPKV_MAX_GQA)
+    uint32_t gqa;               // query heads per KV head (<= HIPKV_MAX_GQA)
     uint32_t head_dim;
-    uint32_t group_tokens;        // tokens per page
-    uint32_t sinks;               // f16 sink tokens per sequence
-    uint32_t splits;              // splits per (query, KV head)
-    uint32_t pages_per_split;
-    uint32_t pre_rope;            // 1: rotate each dequantized key by its position
+    uint32_t block_tokens;      // tokens per block (the scheme's page: 32 or 64)
+    uint32_t sinks;             // positions kept f16 in the slot state (never read from blocks)
+    uint32_t num_blocks;
+    uint32_t max_seqs;          // sequence slots
+    uint32_t max_positions;     // tokens a sequence may hold
+    uint32_t pre_rope;          // 1: keys are stored unrotated; attention rotates them
     uint32_t rope_pairs_interleaved; // 1: pairs (2i, 2i+1); 0: halves (i, i + head_dim/2)
+    // Per slot, per layer: `state_bytes`; within it, byte offsets of the f16 sink rows of K and
+    // V (kv_heads × sinks × head_dim each) and of the residual windows of per-channel streams
+    // (kv_heads × block_tokens × head_dim each; unused for per-token streams).
+    uint64_t state_bytes;
+    uint32_t sinks_k;
+    uint32_t sinks_v;
+    uint32_t residual_k;
+    uint32_t residual_v;
     hipkv_stream_layout k;
     hipkv_stream_layout v;
-    // Per query (one decode token of one sequence):
-    const uint32_t *seq_len;      // tokens in the sequence, the new one included
-    const uint32_t *const *block_table; // page ids of the sequence
-    const uint16_t *const *sinks_k;     // kv_heads × sinks × head_dim f16
-    const uint16_t *const *sinks_v;
-    const uint16_t *const *residual_k;  // kv_heads × group_tokens × head_dim f16
-    const uint16_t *const *residual_v;
-    const float *q;               // queries × kv_heads × gqa × head_dim, rotated and scaled
-                                  // by softmax_scale · log2(e)
-    const float *q_group_sums;    // queries × kv_heads × (head_dim / k.group) × gqa: the sum
-                                  // of q over each key parameter group (per-token key formats)
-    const float *rope_cos_sin;    // positions × head_dim/2 × {cos, sin} (pre_rope only)
-    // Outputs, per (query, KV head, split, query row):
-    float *partial_acc;           // unnormalized output, head_dim floats
-    float *partial_max;           // running maximum of the base-2 logits
-    float *partial_sum;           // sum of 2^(logit - max)
+} hipkv_paged_geometry;
+
+// write_kv, one stream (K or V) of the batch's new tokens. Two launches per stream, grid
+// (tokens, kv_heads), one wave per (token, KV head):
+//   hipkv_write_<format>_d<head_dim>: a sink position's row to the slot's sinks; a per-token
+//     format's row quantized into its slot's block; a per-channel format's block quantized when
+//     its last position is written (older rows from the residual window, this batch's from x);
+//   hipkv_write_residual_d<head_dim>: per-channel formats only, after the first: the rows of
+//     blocks this batch leaves open go to the slot's residual window (after, since the first
+//     launch may read the window slots they replace).
+// Positions below `sinks` are never written to blocks. Outliers beyond the thresholds go to
+// the block's sparse store, as `src/quant` does.
+typedef struct hipkv_write_params {
+    hipkv_paged_geometry g;
+    uint32_t stream;            // 0: keys, 1: values (selects the layout and state offsets)
+    uint32_t dtype;             // hipkv_dtype of x
+    uint32_t tokens;
+    uint32_t layer_state;       // byte offset of this layer's state within a slot's
+    uint8_t *cache;             // the layer's blocks: num_blocks × block_bytes
+    uint8_t *state;             // the state pool: max_seqs slots × layers × state_bytes
+    uint64_t slot_state_bytes;  // bytes of one slot in the pool (all layers)
+    const void *x;              // tokens × kv_heads × head_dim
+    const int64_t *slot_mapping; // per token: block × block_tokens + offset
+    const int32_t *seq_slots;   // per token
+    const int32_t *positions;   // per token
+    const float *outlier_lo;    // kv_heads × head_dim thresholds; null: no outlier store
+    const float *outlier_hi;
+    uint64_t *outliers_dropped; // outliers clipped for lack of slots, added atomically
+    hipkv_device_error *error;
+} hipkv_write_params;
+
+// attend: queries of a varlen batch (sequence s has query tokens
+// query_start_loc[s] .. query_start_loc[s + 1], the last ones of its seq_lens[s] tokens, each
+// attending causally). Three launches:
+//   hipkv_attn_prep: grid (tokens, kv_heads): converts q to f32 scaled by
+//     softmax_scale · log2(e), the per-group query sums, and clears the partial sums;
+//   hipkv_attn_<kf>_<vf>_d<head_dim>: grid (num_seqs × tiles_per_seq, kv_heads, splits),
+//     `waves` waves per workgroup; a workgroup computes a tile of waves × HIPKV_ROWS(head_dim)
+//     query rows (token × GQA head) of one KV head over one split of the pages;
+//   hipkv_attn_combine: grid (tokens × q_heads): merges the splits into `out` (dtype).
+typedef struct hipkv_attn_params {
+    hipkv_paged_geometry g;
+    uint32_t dtype;             // hipkv_dtype of q and out
+    uint32_t num_seqs;
+    uint32_t tokens;            // query tokens of the batch
+    uint32_t max_q_len;         // bounds the server promised (checked)
+    uint32_t max_seq_len;
+    uint32_t max_blocks_per_seq; // width of block_tables
+    uint32_t tiles_per_seq;     // grid.x / num_seqs
+    uint32_t splits;
+    uint32_t blocks_per_split;
+    uint32_t layer_state;
+    uint64_t slot_state_bytes;
+    float softmax_scale;
+    uint32_t reserved;
+    const uint8_t *cache;
+    const uint8_t *state;
+    const void *q;              // tokens × q_heads × head_dim
+    void *out;                  // same shape and dtype
+    const int32_t *query_start_loc; // num_seqs + 1
+    const int32_t *seq_lens;    // num_seqs
+    const int32_t *block_tables; // num_seqs × max_blocks_per_seq
+    const int32_t *seq_slots;   // num_seqs
+    const float *rope_cos_sin;  // max_positions × head_dim/2 × {cos, sin} (pre_rope only)
+    // Workspace (the server's, sized by the layout):
+    float *q_f32;               // tokens × q_heads × head_dim, scaled
+    float *q_group_sums;        // tokens × kv_heads × (head_dim / k.group) × gqa
+    float *partial_acc;         // per (query row, split): head_dim floats, unnormalized
+    float *partial_max;         // running maximum of the base-2 logits
+    float *partial_sum;         // sum of 2^(logit - max); 0: the split saw no token
+    hipkv_device_error *error;
 } hipkv_attn_params;
 
-// Append: new tokens of one sequence, already in f16 (and rotated, unless keys are stored before
-// RoPE), written into one stream's storage. One launch per stream; grid (tokens, kv_heads), one
-// wave per (token, head):
-//   hipkv_append_<format>_d<head_dim>: sink tokens to the sink buffer; per-token formats quantize
-//     their row into its page; per-channel formats quantize every page this append completes,
-//     reading its older tokens from the residual window;
-//   hipkv_append_residual: per-channel formats only, launched after the first: the tokens of the
-//     page left open go to the residual window (after, because the first reads what they replace).
-// Outliers beyond the thresholds go to the page's sparse store, as `src/quant` does.
-typedef struct hipkv_append_params {
-    uint8_t *pool;                // page pool of the layer
-    uint64_t page_bytes;          // bytes of one page (all KV heads)
-    uint32_t head_block_bytes;    // bytes of one head's block in a page
-    uint32_t kv_heads;
-    uint32_t head_dim;
-    uint32_t group_tokens;        // tokens per page
-    uint32_t sinks;               // f16 sink tokens per sequence
-    uint32_t first_pos;           // position of the first new token (tokens stored before)
-    uint32_t tokens;              // new tokens
-    hipkv_stream_layout layout;   // the stream appended to
-    const uint32_t *block_table;  // page ids of the sequence, new pages included
-    const uint16_t *x;            // tokens × kv_heads × head_dim f16
-    uint16_t *sink_buf;           // kv_heads × sinks × head_dim f16
-    uint16_t *residual;           // kv_heads × group_tokens × head_dim f16 (per-channel formats)
-    const float *outlier_lo;      // kv_heads × head_dim thresholds; null: no outlier store
-    const float *outlier_hi;
-    uint64_t *outliers_dropped;   // outliers clipped for lack of slots, added atomically
-} hipkv_append_params;
-
-// Merges the splits of every (query, KV head, query row) into the output.
-typedef struct hipkv_combine_params {
-    const float *partial_acc;
-    const float *partial_max;
-    const float *partial_sum;
-    float *out;                   // queries × kv_heads × gqa × head_dim
-    uint32_t rows;                // queries × kv_heads × gqa
-    uint32_t gqa;
-    uint32_t splits;
-    uint32_t head_dim;
-} hipkv_combine_params;
+// copy_blocks: grid (pairs, chunks of the block): block pairs[2i] is copied over pairs[2i+1].
+typedef struct hipkv_copy_params {
+    uint8_t *cache;
+    uint64_t block_bytes;
+    uint32_t num_blocks;
+    uint32_t pairs;
+    const int32_t *block_pairs;
+    hipkv_device_error *error;
+} hipkv_copy_params;
 
 #ifdef __cplusplus
 }

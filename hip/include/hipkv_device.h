@@ -18,6 +18,7 @@
 #include "../emu/emu.h"
 #define HIPKV_HD inline
 #define HIPKV_DEV inline
+#define HIPKV_ATTN_KERNEL HIPKV_KERNEL
 #elif defined(__HIPCC__) || defined(__HIP__)
 #include <hip/hip_runtime.h>
 #define HIPKV_HD __host__ __device__ __forceinline__
@@ -28,12 +29,18 @@
 #define HIPKV_KERNEL(NAME, PARAMS)                                            \
     extern "C" __global__ __launch_bounds__(HIPKV_THREADS)                   \
         __attribute__((amdgpu_waves_per_eu(8))) void NAME(PARAMS p)
+// An attention entry point: workgroups of up to HIPKV_MAX_WAVES waves.
+#define HIPKV_ATTN_KERNEL(NAME, PARAMS)                                                   \
+    extern "C" __global__ __launch_bounds__(HIPKV_WAVE * HIPKV_MAX_WAVES)                \
+        __attribute__((amdgpu_waves_per_eu(8))) void NAME(PARAMS p)
 #elif defined(__CUDACC__)
 #include <cuda_fp16.h>
 #define HIPKV_HD __host__ __device__ __forceinline__
 #define HIPKV_DEV __device__ __forceinline__
 #define HIPKV_KERNEL(NAME, PARAMS) \
     extern "C" __global__ __launch_bounds__(HIPKV_THREADS) void NAME(PARAMS p)
+#define HIPKV_ATTN_KERNEL(NAME, PARAMS) \
+    extern "C" __global__ __launch_bounds__(HIPKV_WAVE * HIPKV_MAX_WAVES) void NAME(PARAMS p)
 #else
 #define HIPKV_HD inline
 #endif
@@ -83,6 +90,28 @@ HIPKV_HD float half_to_float(uint16_t h) {
     v.u = bits;
     return v.f;
 #endif
+}
+
+// bfloat16 bits to float (exact: bf16 is the upper half of an f32).
+HIPKV_HD float bf16_to_float(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+// Float to bfloat16 bits, rounded to nearest with ties to even; NaN stays a quiet NaN.
+HIPKV_HD uint16_t float_to_bf16(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    const uint32_t round = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + round) >> 16);
 }
 
 // 16 bytes of a row as four little-endian words (see `load16`).
@@ -152,6 +181,24 @@ HIPKV_DEV float shfl_xor(float x, int mask) {
 #endif
 }
 
+// `x`, known to be equal in every lane, as a wave-uniform value: the compiler keeps it in one
+// scalar register instead of a vector register of 32 copies.
+HIPKV_DEV float uniform(float x) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return __builtin_bit_cast(float, __builtin_amdgcn_readfirstlane(__builtin_bit_cast(int, x)));
+#else
+    return x;
+#endif
+}
+
+HIPKV_DEV uint32_t uniform_u32(uint32_t x) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return (uint32_t)__builtin_amdgcn_readfirstlane((int)x);
+#else
+    return x;
+#endif
+}
+
 HIPKV_DEV float wave_max(float x) {
     for (int m = HIPKV_WAVE / 2; m > 0; m /= 2) x = fmaxf(x, shfl_xor(x, m));
     return x;
@@ -188,6 +235,21 @@ HIPKV_DEV const T *vector_ptr(const T *p) {
 // Workgroup barrier: every work-item of the workgroup must reach the same one.
 HIPKV_DEV void barrier() { __syncthreads(); }
 
+// Wave barrier: the lanes of this wave only. A wave executes in lockstep, so this orders its
+// LDS writes before its later LDS reads (waves of a workgroup that never meet need nothing
+// more); the emulator makes the 32 lanes meet here.
+HIPKV_DEV void wave_sync() {
+#if defined(HIPKV_EMU)
+    (void)hipkv_emu::shfl_xor(0.0f, 0);
+#elif defined(__CUDACC__)
+    __syncwarp();
+#else
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#endif
+}
+
 // Orders this work-item's global memory writes before its later ones as the rest of the
 // workgroup sees them (then `barrier` to let it read them).
 HIPKV_DEV void fence_workgroup() {
@@ -196,6 +258,28 @@ HIPKV_DEV void fence_workgroup() {
 #else
     __threadfence_block();
 #endif
+}
+
+// `*p = desired` if it held `expected`, atomically on device memory; returns what it held.
+HIPKV_DEV uint32_t atomic_cas(uint32_t *p, uint32_t expected, uint32_t desired) {
+#if defined(HIPKV_EMU)
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED,
+                                __ATOMIC_RELAXED);
+    return expected;
+#else
+    return atomicCAS(p, expected, desired);
+#endif
+}
+
+// Records an out-of-range index a server passed in the sticky error word, unless an earlier
+// one is there: the first wins, and a check call reads it.
+HIPKV_DEV void report_bad_index(hipkv_device_error *e, uint32_t what, uint32_t kernel,
+                                uint32_t item, int64_t index, int64_t limit) {
+    if (atomic_cas(&e->what, 0u, what) != 0u) return;
+    e->kernel = kernel;
+    e->item = item;
+    e->index = index;
+    e->limit = limit;
 }
 
 // `*p += x` as one atomic operation on device memory (other workgroups may add at once).

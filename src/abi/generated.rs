@@ -3,13 +3,14 @@
 pub const HIPKV_MAX_GQA: u32 = 16;
 pub const HIPKV_WAVE: u32 = 32;
 pub const HIPKV_THREADS: u32 = 32;
-pub const hipkv_format_HIPKV_F16: hipkv_format = 0;
-pub const hipkv_format_HIPKV_Q8: hipkv_format = 1;
-pub const hipkv_format_HIPKV_Q8_0: hipkv_format = 2;
-pub const hipkv_format_HIPKV_Q4_TOK: hipkv_format = 3;
-pub const hipkv_format_HIPKV_Q2_TOK: hipkv_format = 4;
-pub const hipkv_format_HIPKV_Q4_CHAN: hipkv_format = 5;
-pub const hipkv_format_HIPKV_Q2_CHAN: hipkv_format = 6;
+pub const HIPKV_MAX_WAVES: u32 = 4;
+pub const HIPKV_F16: hipkv_format = 0;
+pub const HIPKV_Q8: hipkv_format = 1;
+pub const HIPKV_Q8_0: hipkv_format = 2;
+pub const HIPKV_Q4_TOK: hipkv_format = 3;
+pub const HIPKV_Q2_TOK: hipkv_format = 4;
+pub const HIPKV_Q4_CHAN: hipkv_format = 5;
+pub const HIPKV_Q2_CHAN: hipkv_format = 6;
 pub type hipkv_format = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -44,92 +45,278 @@ const _: () = {
     ["Offset of field: hipkv_stream_layout::residual"]
         [::std::mem::offset_of!(hipkv_stream_layout, residual) - 28usize];
 };
+pub const HIPKV_DTYPE_F16: hipkv_dtype = 0;
+pub const HIPKV_DTYPE_BF16: hipkv_dtype = 1;
+pub const HIPKV_DTYPE_F32: hipkv_dtype = 2;
+pub type hipkv_dtype = ::std::os::raw::c_uint;
+pub const HIPKV_BAD_NONE: hipkv_bad_index = 0;
+pub const HIPKV_BAD_SEQ_SLOT: hipkv_bad_index = 1;
+pub const HIPKV_BAD_SLOT: hipkv_bad_index = 2;
+pub const HIPKV_BAD_POSITION: hipkv_bad_index = 3;
+pub const HIPKV_BAD_SLOT_OFFSET: hipkv_bad_index = 4;
+pub const HIPKV_BAD_QUERY_RANGE: hipkv_bad_index = 5;
+pub const HIPKV_BAD_QUERY_LEN: hipkv_bad_index = 6;
+pub const HIPKV_BAD_SEQ_LEN: hipkv_bad_index = 7;
+pub const HIPKV_BAD_BLOCK: hipkv_bad_index = 8;
+pub type hipkv_bad_index = ::std::os::raw::c_uint;
+pub const HIPKV_CHECK_WRITE: hipkv_checked_kernel = 1;
+pub const HIPKV_CHECK_ATTEND: hipkv_checked_kernel = 2;
+pub const HIPKV_CHECK_COPY_BLOCKS: hipkv_checked_kernel = 3;
+pub type hipkv_checked_kernel = ::std::os::raw::c_uint;
 #[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct hipkv_attn_params {
-    pub pool: *const u8,
-    pub page_bytes: u64,
+#[derive(Debug, Default, Copy, Clone)]
+pub struct hipkv_device_error {
+    pub what: u32,
+    pub kernel: u32,
+    pub item: u32,
+    pub reserved: u32,
+    pub index: i64,
+    pub limit: i64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of hipkv_device_error"][::std::mem::size_of::<hipkv_device_error>() - 32usize];
+    ["Alignment of hipkv_device_error"][::std::mem::align_of::<hipkv_device_error>() - 8usize];
+    ["Offset of field: hipkv_device_error::what"]
+        [::std::mem::offset_of!(hipkv_device_error, what) - 0usize];
+    ["Offset of field: hipkv_device_error::kernel"]
+        [::std::mem::offset_of!(hipkv_device_error, kernel) - 4usize];
+    ["Offset of field: hipkv_device_error::item"]
+        [::std::mem::offset_of!(hipkv_device_error, item) - 8usize];
+    ["Offset of field: hipkv_device_error::reserved"]
+        [::std::mem::offset_of!(hipkv_device_error, reserved) - 12usize];
+    ["Offset of field: hipkv_device_error::index"]
+        [::std::mem::offset_of!(hipkv_device_error, index) - 16usize];
+    ["Offset of field: hipkv_device_error::limit"]
+        [::std::mem::offset_of!(hipkv_device_error, limit) - 24usize];
+};
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct hipkv_paged_geometry {
+    pub block_bytes: u64,
     pub head_block_bytes: u32,
     pub kv_heads: u32,
     pub gqa: u32,
     pub head_dim: u32,
-    pub group_tokens: u32,
+    pub block_tokens: u32,
     pub sinks: u32,
-    pub splits: u32,
-    pub pages_per_split: u32,
+    pub num_blocks: u32,
+    pub max_seqs: u32,
+    pub max_positions: u32,
     pub pre_rope: u32,
     pub rope_pairs_interleaved: u32,
+    pub state_bytes: u64,
+    pub sinks_k: u32,
+    pub sinks_v: u32,
+    pub residual_k: u32,
+    pub residual_v: u32,
     pub k: hipkv_stream_layout,
     pub v: hipkv_stream_layout,
-    pub seq_len: *const u32,
-    pub block_table: *const *const u32,
-    pub sinks_k: *const *const u16,
-    pub sinks_v: *const *const u16,
-    pub residual_k: *const *const u16,
-    pub residual_v: *const *const u16,
-    pub q: *const f32,
-    pub q_group_sums: *const f32,
-    pub rope_cos_sin: *const f32,
-    pub partial_acc: *mut f32,
-    pub partial_max: *mut f32,
-    pub partial_sum: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_attn_params"][::std::mem::size_of::<hipkv_attn_params>() - 216usize];
+    ["Size of hipkv_paged_geometry"][::std::mem::size_of::<hipkv_paged_geometry>() - 144usize];
+    ["Alignment of hipkv_paged_geometry"][::std::mem::align_of::<hipkv_paged_geometry>() - 8usize];
+    ["Offset of field: hipkv_paged_geometry::block_bytes"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, block_bytes) - 0usize];
+    ["Offset of field: hipkv_paged_geometry::head_block_bytes"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, head_block_bytes) - 8usize];
+    ["Offset of field: hipkv_paged_geometry::kv_heads"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, kv_heads) - 12usize];
+    ["Offset of field: hipkv_paged_geometry::gqa"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, gqa) - 16usize];
+    ["Offset of field: hipkv_paged_geometry::head_dim"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, head_dim) - 20usize];
+    ["Offset of field: hipkv_paged_geometry::block_tokens"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, block_tokens) - 24usize];
+    ["Offset of field: hipkv_paged_geometry::sinks"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, sinks) - 28usize];
+    ["Offset of field: hipkv_paged_geometry::num_blocks"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, num_blocks) - 32usize];
+    ["Offset of field: hipkv_paged_geometry::max_seqs"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, max_seqs) - 36usize];
+    ["Offset of field: hipkv_paged_geometry::max_positions"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, max_positions) - 40usize];
+    ["Offset of field: hipkv_paged_geometry::pre_rope"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, pre_rope) - 44usize];
+    ["Offset of field: hipkv_paged_geometry::rope_pairs_interleaved"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, rope_pairs_interleaved) - 48usize];
+    ["Offset of field: hipkv_paged_geometry::state_bytes"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, state_bytes) - 56usize];
+    ["Offset of field: hipkv_paged_geometry::sinks_k"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, sinks_k) - 64usize];
+    ["Offset of field: hipkv_paged_geometry::sinks_v"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, sinks_v) - 68usize];
+    ["Offset of field: hipkv_paged_geometry::residual_k"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, residual_k) - 72usize];
+    ["Offset of field: hipkv_paged_geometry::residual_v"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, residual_v) - 76usize];
+    ["Offset of field: hipkv_paged_geometry::k"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, k) - 80usize];
+    ["Offset of field: hipkv_paged_geometry::v"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, v) - 112usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct hipkv_write_params {
+    pub g: hipkv_paged_geometry,
+    pub stream: u32,
+    pub dtype: u32,
+    pub tokens: u32,
+    pub layer_state: u32,
+    pub cache: *mut u8,
+    pub state: *mut u8,
+    pub slot_state_bytes: u64,
+    pub x: *const ::std::os::raw::c_void,
+    pub slot_mapping: *const i64,
+    pub seq_slots: *const i32,
+    pub positions: *const i32,
+    pub outlier_lo: *const f32,
+    pub outlier_hi: *const f32,
+    pub outliers_dropped: *mut u64,
+    pub error: *mut hipkv_device_error,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of hipkv_write_params"][::std::mem::size_of::<hipkv_write_params>() - 248usize];
+    ["Alignment of hipkv_write_params"][::std::mem::align_of::<hipkv_write_params>() - 8usize];
+    ["Offset of field: hipkv_write_params::g"]
+        [::std::mem::offset_of!(hipkv_write_params, g) - 0usize];
+    ["Offset of field: hipkv_write_params::stream"]
+        [::std::mem::offset_of!(hipkv_write_params, stream) - 144usize];
+    ["Offset of field: hipkv_write_params::dtype"]
+        [::std::mem::offset_of!(hipkv_write_params, dtype) - 148usize];
+    ["Offset of field: hipkv_write_params::tokens"]
+        [::std::mem::offset_of!(hipkv_write_params, tokens) - 152usize];
+    ["Offset of field: hipkv_write_params::layer_state"]
+        [::std::mem::offset_of!(hipkv_write_params, layer_state) - 156usize];
+    ["Offset of field: hipkv_write_params::cache"]
+        [::std::mem::offset_of!(hipkv_write_params, cache) - 160usize];
+    ["Offset of field: hipkv_write_params::state"]
+        [::std::mem::offset_of!(hipkv_write_params, state) - 168usize];
+    ["Offset of field: hipkv_write_params::slot_state_bytes"]
+        [::std::mem::offset_of!(hipkv_write_params, slot_state_bytes) - 176usize];
+    ["Offset of field: hipkv_write_params::x"]
+        [::std::mem::offset_of!(hipkv_write_params, x) - 184usize];
+    ["Offset of field: hipkv_write_params::slot_mapping"]
+        [::std::mem::offset_of!(hipkv_write_params, slot_mapping) - 192usize];
+    ["Offset of field: hipkv_write_params::seq_slots"]
+        [::std::mem::offset_of!(hipkv_write_params, seq_slots) - 200usize];
+    ["Offset of field: hipkv_write_params::positions"]
+        [::std::mem::offset_of!(hipkv_write_params, positions) - 208usize];
+    ["Offset of field: hipkv_write_params::outlier_lo"]
+        [::std::mem::offset_of!(hipkv_write_params, outlier_lo) - 216usize];
+    ["Offset of field: hipkv_write_params::outlier_hi"]
+        [::std::mem::offset_of!(hipkv_write_params, outlier_hi) - 224usize];
+    ["Offset of field: hipkv_write_params::outliers_dropped"]
+        [::std::mem::offset_of!(hipkv_write_params, outliers_dropped) - 232usize];
+    ["Offset of field: hipkv_write_params::error"]
+        [::std::mem::offset_of!(hipkv_write_params, error) - 240usize];
+};
+impl Default for hipkv_write_params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct hipkv_attn_params {
+    pub g: hipkv_paged_geometry,
+    pub dtype: u32,
+    pub num_seqs: u32,
+    pub tokens: u32,
+    pub max_q_len: u32,
+    pub max_seq_len: u32,
+    pub max_blocks_per_seq: u32,
+    pub tiles_per_seq: u32,
+    pub splits: u32,
+    pub blocks_per_split: u32,
+    pub layer_state: u32,
+    pub slot_state_bytes: u64,
+    pub softmax_scale: f32,
+    pub reserved: u32,
+    pub cache: *const u8,
+    pub state: *const u8,
+    pub q: *const ::std::os::raw::c_void,
+    pub out: *mut ::std::os::raw::c_void,
+    pub query_start_loc: *const i32,
+    pub seq_lens: *const i32,
+    pub block_tables: *const i32,
+    pub seq_slots: *const i32,
+    pub rope_cos_sin: *const f32,
+    pub q_f32: *mut f32,
+    pub q_group_sums: *mut f32,
+    pub partial_acc: *mut f32,
+    pub partial_max: *mut f32,
+    pub partial_sum: *mut f32,
+    pub error: *mut hipkv_device_error,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of hipkv_attn_params"][::std::mem::size_of::<hipkv_attn_params>() - 320usize];
     ["Alignment of hipkv_attn_params"][::std::mem::align_of::<hipkv_attn_params>() - 8usize];
-    ["Offset of field: hipkv_attn_params::pool"]
-        [::std::mem::offset_of!(hipkv_attn_params, pool) - 0usize];
-    ["Offset of field: hipkv_attn_params::page_bytes"]
-        [::std::mem::offset_of!(hipkv_attn_params, page_bytes) - 8usize];
-    ["Offset of field: hipkv_attn_params::head_block_bytes"]
-        [::std::mem::offset_of!(hipkv_attn_params, head_block_bytes) - 16usize];
-    ["Offset of field: hipkv_attn_params::kv_heads"]
-        [::std::mem::offset_of!(hipkv_attn_params, kv_heads) - 20usize];
-    ["Offset of field: hipkv_attn_params::gqa"]
-        [::std::mem::offset_of!(hipkv_attn_params, gqa) - 24usize];
-    ["Offset of field: hipkv_attn_params::head_dim"]
-        [::std::mem::offset_of!(hipkv_attn_params, head_dim) - 28usize];
-    ["Offset of field: hipkv_attn_params::group_tokens"]
-        [::std::mem::offset_of!(hipkv_attn_params, group_tokens) - 32usize];
-    ["Offset of field: hipkv_attn_params::sinks"]
-        [::std::mem::offset_of!(hipkv_attn_params, sinks) - 36usize];
+    ["Offset of field: hipkv_attn_params::g"]
+        [::std::mem::offset_of!(hipkv_attn_params, g) - 0usize];
+    ["Offset of field: hipkv_attn_params::dtype"]
+        [::std::mem::offset_of!(hipkv_attn_params, dtype) - 144usize];
+    ["Offset of field: hipkv_attn_params::num_seqs"]
+        [::std::mem::offset_of!(hipkv_attn_params, num_seqs) - 148usize];
+    ["Offset of field: hipkv_attn_params::tokens"]
+        [::std::mem::offset_of!(hipkv_attn_params, tokens) - 152usize];
+    ["Offset of field: hipkv_attn_params::max_q_len"]
+        [::std::mem::offset_of!(hipkv_attn_params, max_q_len) - 156usize];
+    ["Offset of field: hipkv_attn_params::max_seq_len"]
+        [::std::mem::offset_of!(hipkv_attn_params, max_seq_len) - 160usize];
+    ["Offset of field: hipkv_attn_params::max_blocks_per_seq"]
+        [::std::mem::offset_of!(hipkv_attn_params, max_blocks_per_seq) - 164usize];
+    ["Offset of field: hipkv_attn_params::tiles_per_seq"]
+        [::std::mem::offset_of!(hipkv_attn_params, tiles_per_seq) - 168usize];
     ["Offset of field: hipkv_attn_params::splits"]
-        [::std::mem::offset_of!(hipkv_attn_params, splits) - 40usize];
-    ["Offset of field: hipkv_attn_params::pages_per_split"]
-        [::std::mem::offset_of!(hipkv_attn_params, pages_per_split) - 44usize];
-    ["Offset of field: hipkv_attn_params::pre_rope"]
-        [::std::mem::offset_of!(hipkv_attn_params, pre_rope) - 48usize];
-    ["Offset of field: hipkv_attn_params::rope_pairs_interleaved"]
-        [::std::mem::offset_of!(hipkv_attn_params, rope_pairs_interleaved) - 52usize];
-    ["Offset of field: hipkv_attn_params::k"]
-        [::std::mem::offset_of!(hipkv_attn_params, k) - 56usize];
-    ["Offset of field: hipkv_attn_params::v"]
-        [::std::mem::offset_of!(hipkv_attn_params, v) - 88usize];
-    ["Offset of field: hipkv_attn_params::seq_len"]
-        [::std::mem::offset_of!(hipkv_attn_params, seq_len) - 120usize];
-    ["Offset of field: hipkv_attn_params::block_table"]
-        [::std::mem::offset_of!(hipkv_attn_params, block_table) - 128usize];
-    ["Offset of field: hipkv_attn_params::sinks_k"]
-        [::std::mem::offset_of!(hipkv_attn_params, sinks_k) - 136usize];
-    ["Offset of field: hipkv_attn_params::sinks_v"]
-        [::std::mem::offset_of!(hipkv_attn_params, sinks_v) - 144usize];
-    ["Offset of field: hipkv_attn_params::residual_k"]
-        [::std::mem::offset_of!(hipkv_attn_params, residual_k) - 152usize];
-    ["Offset of field: hipkv_attn_params::residual_v"]
-        [::std::mem::offset_of!(hipkv_attn_params, residual_v) - 160usize];
+        [::std::mem::offset_of!(hipkv_attn_params, splits) - 172usize];
+    ["Offset of field: hipkv_attn_params::blocks_per_split"]
+        [::std::mem::offset_of!(hipkv_attn_params, blocks_per_split) - 176usize];
+    ["Offset of field: hipkv_attn_params::layer_state"]
+        [::std::mem::offset_of!(hipkv_attn_params, layer_state) - 180usize];
+    ["Offset of field: hipkv_attn_params::slot_state_bytes"]
+        [::std::mem::offset_of!(hipkv_attn_params, slot_state_bytes) - 184usize];
+    ["Offset of field: hipkv_attn_params::softmax_scale"]
+        [::std::mem::offset_of!(hipkv_attn_params, softmax_scale) - 192usize];
+    ["Offset of field: hipkv_attn_params::reserved"]
+        [::std::mem::offset_of!(hipkv_attn_params, reserved) - 196usize];
+    ["Offset of field: hipkv_attn_params::cache"]
+        [::std::mem::offset_of!(hipkv_attn_params, cache) - 200usize];
+    ["Offset of field: hipkv_attn_params::state"]
+        [::std::mem::offset_of!(hipkv_attn_params, state) - 208usize];
     ["Offset of field: hipkv_attn_params::q"]
-        [::std::mem::offset_of!(hipkv_attn_params, q) - 168usize];
-    ["Offset of field: hipkv_attn_params::q_group_sums"]
-        [::std::mem::offset_of!(hipkv_attn_params, q_group_sums) - 176usize];
+        [::std::mem::offset_of!(hipkv_attn_params, q) - 216usize];
+    ["Offset of field: hipkv_attn_params::out"]
+        [::std::mem::offset_of!(hipkv_attn_params, out) - 224usize];
+    ["Offset of field: hipkv_attn_params::query_start_loc"]
+        [::std::mem::offset_of!(hipkv_attn_params, query_start_loc) - 232usize];
+    ["Offset of field: hipkv_attn_params::seq_lens"]
+        [::std::mem::offset_of!(hipkv_attn_params, seq_lens) - 240usize];
+    ["Offset of field: hipkv_attn_params::block_tables"]
+        [::std::mem::offset_of!(hipkv_attn_params, block_tables) - 248usize];
+    ["Offset of field: hipkv_attn_params::seq_slots"]
+        [::std::mem::offset_of!(hipkv_attn_params, seq_slots) - 256usize];
     ["Offset of field: hipkv_attn_params::rope_cos_sin"]
-        [::std::mem::offset_of!(hipkv_attn_params, rope_cos_sin) - 184usize];
+        [::std::mem::offset_of!(hipkv_attn_params, rope_cos_sin) - 264usize];
+    ["Offset of field: hipkv_attn_params::q_f32"]
+        [::std::mem::offset_of!(hipkv_attn_params, q_f32) - 272usize];
+    ["Offset of field: hipkv_attn_params::q_group_sums"]
+        [::std::mem::offset_of!(hipkv_attn_params, q_group_sums) - 280usize];
     ["Offset of field: hipkv_attn_params::partial_acc"]
-        [::std::mem::offset_of!(hipkv_attn_params, partial_acc) - 192usize];
+        [::std::mem::offset_of!(hipkv_attn_params, partial_acc) - 288usize];
     ["Offset of field: hipkv_attn_params::partial_max"]
-        [::std::mem::offset_of!(hipkv_attn_params, partial_max) - 200usize];
+        [::std::mem::offset_of!(hipkv_attn_params, partial_max) - 296usize];
     ["Offset of field: hipkv_attn_params::partial_sum"]
-        [::std::mem::offset_of!(hipkv_attn_params, partial_sum) - 208usize];
+        [::std::mem::offset_of!(hipkv_attn_params, partial_sum) - 304usize];
+    ["Offset of field: hipkv_attn_params::error"]
+        [::std::mem::offset_of!(hipkv_attn_params, error) - 312usize];
 };
 impl Default for hipkv_attn_params {
     fn default() -> Self {
@@ -142,107 +329,32 @@ impl Default for hipkv_attn_params {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
-pub struct hipkv_append_params {
-    pub pool: *mut u8,
-    pub page_bytes: u64,
-    pub head_block_bytes: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-    pub group_tokens: u32,
-    pub sinks: u32,
-    pub first_pos: u32,
-    pub tokens: u32,
-    pub layout: hipkv_stream_layout,
-    pub block_table: *const u32,
-    pub x: *const u16,
-    pub sink_buf: *mut u16,
-    pub residual: *mut u16,
-    pub outlier_lo: *const f32,
-    pub outlier_hi: *const f32,
-    pub outliers_dropped: *mut u64,
+pub struct hipkv_copy_params {
+    pub cache: *mut u8,
+    pub block_bytes: u64,
+    pub num_blocks: u32,
+    pub pairs: u32,
+    pub block_pairs: *const i32,
+    pub error: *mut hipkv_device_error,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_append_params"][::std::mem::size_of::<hipkv_append_params>() - 136usize];
-    ["Alignment of hipkv_append_params"][::std::mem::align_of::<hipkv_append_params>() - 8usize];
-    ["Offset of field: hipkv_append_params::pool"]
-        [::std::mem::offset_of!(hipkv_append_params, pool) - 0usize];
-    ["Offset of field: hipkv_append_params::page_bytes"]
-        [::std::mem::offset_of!(hipkv_append_params, page_bytes) - 8usize];
-    ["Offset of field: hipkv_append_params::head_block_bytes"]
-        [::std::mem::offset_of!(hipkv_append_params, head_block_bytes) - 16usize];
-    ["Offset of field: hipkv_append_params::kv_heads"]
-        [::std::mem::offset_of!(hipkv_append_params, kv_heads) - 20usize];
-    ["Offset of field: hipkv_append_params::head_dim"]
-        [::std::mem::offset_of!(hipkv_append_params, head_dim) - 24usize];
-    ["Offset of field: hipkv_append_params::group_tokens"]
-        [::std::mem::offset_of!(hipkv_append_params, group_tokens) - 28usize];
-    ["Offset of field: hipkv_append_params::sinks"]
-        [::std::mem::offset_of!(hipkv_append_params, sinks) - 32usize];
-    ["Offset of field: hipkv_append_params::first_pos"]
-        [::std::mem::offset_of!(hipkv_append_params, first_pos) - 36usize];
-    ["Offset of field: hipkv_append_params::tokens"]
-        [::std::mem::offset_of!(hipkv_append_params, tokens) - 40usize];
-    ["Offset of field: hipkv_append_params::layout"]
-        [::std::mem::offset_of!(hipkv_append_params, layout) - 44usize];
-    ["Offset of field: hipkv_append_params::block_table"]
-        [::std::mem::offset_of!(hipkv_append_params, block_table) - 80usize];
-    ["Offset of field: hipkv_append_params::x"]
-        [::std::mem::offset_of!(hipkv_append_params, x) - 88usize];
-    ["Offset of field: hipkv_append_params::sink_buf"]
-        [::std::mem::offset_of!(hipkv_append_params, sink_buf) - 96usize];
-    ["Offset of field: hipkv_append_params::residual"]
-        [::std::mem::offset_of!(hipkv_append_params, residual) - 104usize];
-    ["Offset of field: hipkv_append_params::outlier_lo"]
-        [::std::mem::offset_of!(hipkv_append_params, outlier_lo) - 112usize];
-    ["Offset of field: hipkv_append_params::outlier_hi"]
-        [::std::mem::offset_of!(hipkv_append_params, outlier_hi) - 120usize];
-    ["Offset of field: hipkv_append_params::outliers_dropped"]
-        [::std::mem::offset_of!(hipkv_append_params, outliers_dropped) - 128usize];
+    ["Size of hipkv_copy_params"][::std::mem::size_of::<hipkv_copy_params>() - 40usize];
+    ["Alignment of hipkv_copy_params"][::std::mem::align_of::<hipkv_copy_params>() - 8usize];
+    ["Offset of field: hipkv_copy_params::cache"]
+        [::std::mem::offset_of!(hipkv_copy_params, cache) - 0usize];
+    ["Offset of field: hipkv_copy_params::block_bytes"]
+        [::std::mem::offset_of!(hipkv_copy_params, block_bytes) - 8usize];
+    ["Offset of field: hipkv_copy_params::num_blocks"]
+        [::std::mem::offset_of!(hipkv_copy_params, num_blocks) - 16usize];
+    ["Offset of field: hipkv_copy_params::pairs"]
+        [::std::mem::offset_of!(hipkv_copy_params, pairs) - 20usize];
+    ["Offset of field: hipkv_copy_params::block_pairs"]
+        [::std::mem::offset_of!(hipkv_copy_params, block_pairs) - 24usize];
+    ["Offset of field: hipkv_copy_params::error"]
+        [::std::mem::offset_of!(hipkv_copy_params, error) - 32usize];
 };
-impl Default for hipkv_append_params {
-    fn default() -> Self {
-        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct hipkv_combine_params {
-    pub partial_acc: *const f32,
-    pub partial_max: *const f32,
-    pub partial_sum: *const f32,
-    pub out: *mut f32,
-    pub rows: u32,
-    pub gqa: u32,
-    pub splits: u32,
-    pub head_dim: u32,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of hipkv_combine_params"][::std::mem::size_of::<hipkv_combine_params>() - 48usize];
-    ["Alignment of hipkv_combine_params"][::std::mem::align_of::<hipkv_combine_params>() - 8usize];
-    ["Offset of field: hipkv_combine_params::partial_acc"]
-        [::std::mem::offset_of!(hipkv_combine_params, partial_acc) - 0usize];
-    ["Offset of field: hipkv_combine_params::partial_max"]
-        [::std::mem::offset_of!(hipkv_combine_params, partial_max) - 8usize];
-    ["Offset of field: hipkv_combine_params::partial_sum"]
-        [::std::mem::offset_of!(hipkv_combine_params, partial_sum) - 16usize];
-    ["Offset of field: hipkv_combine_params::out"]
-        [::std::mem::offset_of!(hipkv_combine_params, out) - 24usize];
-    ["Offset of field: hipkv_combine_params::rows"]
-        [::std::mem::offset_of!(hipkv_combine_params, rows) - 32usize];
-    ["Offset of field: hipkv_combine_params::gqa"]
-        [::std::mem::offset_of!(hipkv_combine_params, gqa) - 36usize];
-    ["Offset of field: hipkv_combine_params::splits"]
-        [::std::mem::offset_of!(hipkv_combine_params, splits) - 40usize];
-    ["Offset of field: hipkv_combine_params::head_dim"]
-        [::std::mem::offset_of!(hipkv_combine_params, head_dim) - 44usize];
-};
-impl Default for hipkv_combine_params {
+impl Default for hipkv_copy_params {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {

@@ -10,8 +10,8 @@ mod generated;
 
 pub use generated::*;
 
-/// `HIPKV_ROWS(head_dim)` (a function-like macro bindgen does not translate): query heads one
-/// attention workgroup computes. `tests/formats_agree.rs` checks it against the header.
-pub const fn hipkv_rows(head_dim: u32) -> u32 {
-    if head_dim <= 128 { 8 } else { 4 }
+/// `HIPKV_ROWS(head_dim)` (a function-like macro bindgen does not translate): query rows one
+/// attention wave computes. `tests/formats_agree.rs` checks it against the header.
+pub const fn hipkv_rows(_head_dim: u32) -> u32 {
+    4
 }

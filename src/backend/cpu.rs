@@ -1,28 +1,38 @@
-//! CPU decode attention: split-K over (query, KV head, page range) work items on all cores,
-//! dequantization into vector registers inside the score and value loops, online softmax in
-//! base 2 with f32 state, and a combine step: the same algorithm the GPU kernels run.
+//! CPU decode and chunked-prefill attention: split-K over (query, KV head, block range) work
+//! items on all cores, dequantization into vector registers inside the score and value loops,
+//! online softmax in base 2 with f32 state, and a combine step: the same algorithm the GPU
+//! kernels run.
+
+pub(crate) mod paged;
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cache::{CacheConfig, Query, SeqState};
+use crate::cache::Query;
+use crate::paged::Layout;
 use crate::quant::{self, get_f16};
 use crate::rope::RopeTable;
 use crate::scheme::{
-    Format, HeadLayout, LowBits, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Q8_0_BLOCK,
-    Q8_0_BLOCK_BYTES,
+    Format, LowBits, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Q8_0_BLOCK, Q8_0_BLOCK_BYTES, Stream,
 };
 
 use super::simd::{Kernel, KernelFn, dispatch};
 
-/// Read-only view of one layer of a cache.
+/// Read-only view of one layer of a paged cache.
 pub(crate) struct CacheView<'a> {
-    pub(crate) config: &'a CacheConfig,
-    pub(crate) layout: &'a HeadLayout,
-    pub(crate) page_bytes: usize,
-    pub(crate) pool: &'a [u8],
+    pub(crate) layout: &'a Layout,
+    /// The layer's blocks: `num_blocks × block_bytes`.
+    pub(crate) cache: &'a [u8],
+    /// The RoPE table `pre_rope` keys are rotated with.
     pub(crate) rope: Option<&'a RopeTable>,
+}
+
+/// One sequence as attention reads it: its length, block table and this layer's slot state.
+pub(crate) struct PagedSeq<'a> {
+    pub(crate) len: usize,
+    pub(crate) blocks: &'a [i32],
+    pub(crate) state: &'a [u8],
 }
 
 /// One stream (K or V) of a run of consecutive tokens of one head, in one storage format.
@@ -102,66 +112,82 @@ pub(crate) struct Block<'a> {
 }
 
 impl<'a> CacheView<'a> {
-    /// Pages a sequence of `len` tokens has started.
+    /// Blocks a sequence of `len` tokens has started.
     pub(crate) fn pages(&self, len: usize) -> usize {
-        let s = &self.config.scheme;
-        len.saturating_sub(s.sinks).div_ceil(s.group_tokens)
+        len.div_ceil(self.layout.block_tokens())
     }
 
-    /// The blocks of `head` in the given page range; the sinks come with the range that starts
-    /// at page 0.
+    /// The runs of `head` in the given block range: rows of each block from the first position
+    /// past the sinks; the sinks come with the range that starts at block 0.
     pub(crate) fn blocks(
         &self,
-        seq: &'a SeqState,
+        seq: &PagedSeq<'a>,
         head: usize,
         pages: Range<usize>,
     ) -> Vec<Block<'a>> {
-        let s = &self.config.scheme;
-        let d = self.config.head_dim;
-        let g = s.group_tokens;
+        let layout = self.layout;
+        let s = layout.scheme();
+        let d = layout.head_dim();
+        let g = layout.block_tokens();
         let row = d * 2;
+        let head_layout = layout.head_layout();
         let mut out = Vec::new();
         let sinks = seq.len.min(s.sinks);
         if pages.start == 0 && sinks > 0 {
-            let at = head * s.sinks * row;
+            let rows = |stream| {
+                let at = layout.sinks_offset(stream) + head * s.sinks * row;
+                &seq.state[at..at + sinks * row]
+            };
             out.push(Block {
                 first_pos: 0,
                 tokens: sinks,
-                k: StreamBlock::f16_rows(&seq.sinks[0][at..at + sinks * row], d),
-                v: StreamBlock::f16_rows(&seq.sinks[1][at..at + sinks * row], d),
+                k: StreamBlock::f16_rows(rows(Stream::K), d),
+                v: StreamBlock::f16_rows(rows(Stream::V), d),
             });
         }
         for p in pages.start..pages.end.min(self.pages(seq.len)) {
-            let first_pos = s.sinks + p * g;
-            let tokens = (seq.len - first_pos).min(g);
-            let page = seq.pages[p] as usize;
-            let block = &self.pool[page * self.page_bytes + head * self.layout.bytes..]
-                [..self.layout.bytes];
-            let stream = |i: usize, sl: &crate::scheme::StreamLayout| {
-                if sl.format.is_grouped_by_tokens() && tokens < g {
-                    let at = head * g * row;
-                    return StreamBlock::f16_rows(&seq.residual[i][at..at + tokens * row], d);
+            let first_pos = p * g;
+            let begin = s.sinks.saturating_sub(first_pos).min(g);
+            let end = (seq.len - first_pos).min(g);
+            if begin >= end {
+                continue;
+            }
+            let id = seq.blocks[p] as usize;
+            let block = &self.cache[id * layout.block_bytes() + head * head_layout.bytes..]
+                [..head_layout.bytes];
+            let stream = |kind: Stream| {
+                let sl = head_layout.stream(kind);
+                if sl.format.is_grouped_by_tokens() && end < g {
+                    // The open block: its rows wait in the residual window.
+                    let at = layout.residual_offset(kind) + (head * g + begin) * row;
+                    return StreamBlock::f16_rows(&seq.state[at..at + (end - begin) * row], d);
                 }
+                let per_token = if sl.format.is_grouped_by_tokens() {
+                    0
+                } else {
+                    sl.format.params_bytes(1, d)
+                };
                 StreamBlock {
                     format: sl.format,
                     head_dim: d,
-                    rows: &block[sl.rows..sl.rows + tokens * sl.row_bytes],
+                    rows: &block[sl.rows + begin * sl.row_bytes..sl.rows + end * sl.row_bytes],
                     row_bytes: sl.row_bytes,
-                    params: &block[sl.params..sl.counts],
+                    params: &block[sl.params + begin * per_token..sl.counts],
                     outliers: (sl.outlier_slots > 0).then(|| {
                         (
-                            &block[sl.counts..sl.slots],
-                            &block[sl.slots..sl.end],
+                            &block[sl.counts + begin * OUTLIER_COUNT_BYTES..sl.slots],
+                            &block
+                                [sl.slots + begin * sl.outlier_slots * OUTLIER_SLOT_BYTES..sl.end],
                             sl.outlier_slots,
                         )
                     }),
                 }
             };
             out.push(Block {
-                first_pos,
-                tokens,
-                k: stream(0, &self.layout.k),
-                v: stream(1, &self.layout.v),
+                first_pos: first_pos + begin,
+                tokens: end - begin,
+                k: stream(Stream::K),
+                v: stream(Stream::V),
             });
         }
         out
@@ -196,13 +222,14 @@ struct Item {
 /// Attends each query's chunk over its sequence and writes `Query::out`.
 pub(crate) fn attend(
     view: &CacheView<'_>,
-    seqs: &[&SeqState],
+    seqs: &[PagedSeq<'_>],
     queries: &mut [Query<'_>],
     scale: f32,
 ) {
-    let cfg = view.config;
-    let (d, r) = (cfg.head_dim, cfg.gqa());
-    let width = cfg.q_heads * d;
+    let spec = view.layout.spec();
+    let (d, r) = (spec.head_dim, view.layout.gqa());
+    let kv_heads = spec.kv_heads;
+    let width = spec.q_heads * d;
     let prepared = prepare_queries(view, seqs, queries, scale);
 
     let threads = rayon::current_num_threads();
@@ -211,10 +238,10 @@ pub(crate) fn attend(
         .enumerate()
         .flat_map(|(qi, seq)| {
             let pages = view.pages(seq.len);
-            let want = (4 * threads).div_ceil(seqs.len() * cfg.kv_heads);
+            let want = (4 * threads).div_ceil(seqs.len() * kv_heads);
             let splits = want.min(pages / 4).max(1);
             let per = pages.div_ceil(splits).max(1);
-            (0..cfg.kv_heads).flat_map(move |head| {
+            (0..kv_heads).flat_map(move |head| {
                 (0..splits).map(move |s| Item {
                     query: qi,
                     head,
@@ -228,7 +255,7 @@ pub(crate) fn attend(
         .par_iter()
         .map(|item| {
             let hq = &prepared[item.query][item.head];
-            let blocks = view.blocks(seqs[item.query], item.head, item.pages.clone());
+            let blocks = view.blocks(&seqs[item.query], item.head, item.pages.clone());
             dispatch(RunItem {
                 view,
                 blocks: &blocks,
@@ -257,23 +284,23 @@ pub(crate) fn attend(
     }
 }
 
-/// Every query's rows per KV head, rotated to their positions and scaled by
-/// `softmax_scale · log2(e)`: what every backend's score loop takes.
-pub(crate) fn prepare_queries(
+/// Every query's rows per KV head (already rotated), scaled by `softmax_scale · log2(e)`: what
+/// the score loop takes, with the position each row attends up to.
+fn prepare_queries(
     view: &CacheView<'_>,
-    seqs: &[&SeqState],
+    seqs: &[PagedSeq<'_>],
     queries: &[Query<'_>],
     scale: f32,
 ) -> Vec<Vec<HeadQueries>> {
-    let cfg = view.config;
-    let (d, r) = (cfg.head_dim, cfg.gqa());
-    let width = cfg.q_heads * d;
+    let spec = view.layout.spec();
+    let (d, r) = (spec.head_dim, view.layout.gqa());
+    let width = spec.q_heads * d;
     queries
         .iter()
         .zip(seqs)
         .map(|(query, seq)| {
             let q_len = query.q.len() / width;
-            (0..cfg.kv_heads)
+            (0..spec.kv_heads)
                 .map(|h| {
                     let mut rows = Vec::with_capacity(q_len * r * d);
                     let mut pos = Vec::with_capacity(q_len * r);
@@ -281,11 +308,11 @@ pub(crate) fn prepare_queries(
                         let p = seq.len - q_len + t;
                         for j in 0..r {
                             let at = t * width + (h * r + j) * d;
-                            let mut row: Vec<f32> = query.q[at..at + d].to_vec();
-                            if let Some(rope) = view.rope {
-                                rope.rotate(&mut row, p);
-                            }
-                            rows.extend(row.iter().map(|x| x * scale * std::f32::consts::LOG2_E));
+                            rows.extend(
+                                query.q[at..at + d]
+                                    .iter()
+                                    .map(|x| x * scale * std::f32::consts::LOG2_E),
+                            );
                             pos.push(p);
                         }
                     }
@@ -352,7 +379,7 @@ struct RunItem<'v, 'a> {
 impl KernelFn<Partial> for RunItem<'_, '_> {
     #[inline(always)]
     fn call<K: Kernel>(self, k: K) -> Partial {
-        with_head_dim!(self.view.config.head_dim, |D| run_item(
+        with_head_dim!(self.view.layout.head_dim(), |D| run_item(
             k,
             self.view,
             self.blocks,
@@ -530,7 +557,7 @@ fn run_item<K: Kernel>(
     hq: &HeadQueries,
     d: usize,
 ) -> Partial {
-    debug_assert_eq!(d, view.config.head_dim);
+    debug_assert_eq!(d, view.layout.head_dim());
     let rows = hq.pos.len();
     let mut part = Partial {
         max: vec![f32::NEG_INFINITY; rows],
@@ -541,8 +568,8 @@ fn run_item<K: Kernel>(
     // and residual tokens and rotated pre-RoPE keys against the natural-order rows. Values
     // accumulate in the value format's order.
     let (k_order, v_order) = (
-        Order::of(view.layout.k.format),
-        Order::of(view.layout.v.format),
+        Order::of(view.layout.head_layout().k.format),
+        Order::of(view.layout.head_layout().v.format),
     );
     let mut queries = Vec::new();
     k_order.permute(&hq.rows, d, &mut queries);
@@ -557,7 +584,7 @@ fn run_item<K: Kernel>(
         let mut prefetch_k = Prefetch::new(k, next.map(|b| &b.k), n.div_ceil(2));
         let mut prefetch_v = Prefetch::new(k, next.map(|b| &b.v), d / 16);
         let order = Order::of(block.k.format);
-        if view.config.scheme.pre_rope {
+        if view.layout.scheme().pre_rope {
             // Keys stored before RoPE: dequantize the block's keys and rotate each to its
             // position (KVQuant), then score the rotated rows.
             dense.resize(n * d, 0.0);

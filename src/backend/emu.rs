@@ -6,7 +6,6 @@
 
 use std::ffi::{CString, c_char, c_int, c_void};
 
-use crate::abi::HIPKV_THREADS;
 use crate::error::{Error, Result};
 
 unsafe extern "C" {
@@ -22,10 +21,14 @@ unsafe extern "C" {
     ) -> c_int;
 }
 
-/// Launches `name` with `params` over `grid` workgroups of one wave, on every core.
-pub(crate) fn launch<P: Copy>(name: &str, params: &P, grid: [u32; 3]) -> Result<()> {
+/// Launches `name` with `params` over `grid` workgroups of `block` work-items, on every core.
+pub(crate) fn launch<P: Copy>(
+    name: &str,
+    params: &P,
+    grid: [u32; 3],
+    block: [u32; 3],
+) -> Result<()> {
     let c_name = CString::new(name).expect("kernel names have no NUL");
-    let block = [HIPKV_THREADS, 1, 1];
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     let mut err = vec![0 as c_char; 1024];
     // SAFETY: `params` is a `#[repr(C)]` ABI struct of `size_of::<P>()` bytes whose pointers
@@ -62,6 +65,7 @@ pub(crate) fn launch<P: Copy>(name: &str, params: &P, grid: [u32; 3]) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::abi::HIPKV_THREADS;
 
     /// `hipkv_emu_selftest_params` of `hip/emu/selftest.cpp`.
     #[repr(C)]
@@ -77,7 +81,12 @@ mod tests {
             out: out.as_mut_ptr(),
             mode,
         };
-        let result = launch("hipkv_emu_selftest", &params, [groups, 1, 1]);
+        let result = launch(
+            "hipkv_emu_selftest",
+            &params,
+            [groups, 1, 1],
+            [HIPKV_THREADS, 1, 1],
+        );
         (out, result)
     }
 
@@ -127,13 +136,20 @@ mod tests {
             out: std::ptr::null_mut(),
             mode: 0,
         };
-        let missing = launch("hipkv_no_such_kernel", &params, [1, 1, 1]).unwrap_err();
+        let missing = launch(
+            "hipkv_no_such_kernel",
+            &params,
+            [1, 1, 1],
+            [HIPKV_THREADS, 1, 1],
+        )
+        .unwrap_err();
         assert!(
             missing
                 .to_string()
                 .contains("no kernel named hipkv_no_such_kernel")
         );
-        let wrong_size = launch("hipkv_emu_selftest", &0u8, [1, 1, 1]).unwrap_err();
+        let wrong_size =
+            launch("hipkv_emu_selftest", &0u8, [1, 1, 1], [HIPKV_THREADS, 1, 1]).unwrap_err();
         assert!(
             wrong_size.to_string().contains("bytes of params"),
             "{wrong_size}"

@@ -9,6 +9,8 @@ mod simd;
 mod split;
 
 pub use choice::{BACKEND_ENV, HipStatus};
+pub use device::DeviceMemory;
+pub(crate) use device::stream_abi;
 pub use split::{GFX1201_COMPUTE_UNITS, SplitPlan};
 
 /// The engine that runs a cache's attention.

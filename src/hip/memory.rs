@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 
 use super::loader::{Runtime, runtime};
 use super::sys::{hipEvent_t, hipFunction_t, hipMemcpyKind, hipModule_t, hipStream_t};
+use super::traffic::{count_allocation, count_copy, count_synchronization};
 use crate::error::{Error, Result};
 use crate::kernels::CodeObject;
 
@@ -28,6 +29,8 @@ unsafe impl DeviceCopy for u64 {}
 unsafe impl DeviceCopy for i8 {}
 // SAFETY: as above.
 unsafe impl DeviceCopy for i32 {}
+// SAFETY: as above.
+unsafe impl DeviceCopy for i64 {}
 // SAFETY: as above.
 unsafe impl DeviceCopy for f32 {}
 
@@ -55,6 +58,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             ))
         })?;
         let mut ptr = std::ptr::null_mut();
+        count_allocation();
         // SAFETY: hipMalloc writes one pointer through a valid out-pointer.
         let code = unsafe { (rt.api().hipMalloc)(&mut ptr, bytes) };
         rt.check("hipMalloc", code)?;
@@ -126,6 +130,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             offset,
             src.len(),
         )?;
+        count_copy();
         // SAFETY: `src` is readable and the range lies inside this allocation (checked); the
         // copy is complete when hipMemcpy returns. Device memory is written through its
         // address, as a kernel would, so a shared borrow suffices.
@@ -156,6 +161,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             offset,
             dst.len(),
         )?;
+        count_copy();
         // SAFETY: as in `write_at`, the other way; any bytes are a valid `T` (`DeviceCopy`).
         let code = unsafe {
             (self.rt.api().hipMemcpy)(
@@ -179,6 +185,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// Sets every byte to zero, asynchronously on `stream`.
     pub fn zero(&mut self, stream: &Stream) -> Result<()> {
+        count_copy();
         // SAFETY: `len · size_of::<T>()` bytes of this allocation; the stream orders the write
         // before later work on it, and the buffer outlives the call (drop frees only after
         // hipFree, which waits for the device).
@@ -221,9 +228,12 @@ impl Stream {
 
     /// Waits until all work on the stream is done; a kernel fault surfaces here.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: a live stream handle.
-        let code = unsafe { (self.rt.api().hipStreamSynchronize)(self.raw) };
-        Ok(self.rt.check("hipStreamSynchronize", code)?)
+        self.handle().synchronize()
+    }
+
+    /// The stream as a [`StreamHandle`], for calls that take a server's stream.
+    pub fn handle(&self) -> StreamHandle {
+        StreamHandle(self.raw)
     }
 }
 
@@ -231,6 +241,65 @@ impl Drop for Stream {
     fn drop(&mut self) {
         // SAFETY: a live handle, destroyed once.
         let _ = unsafe { (self.rt.api().hipStreamDestroy)(self.raw) };
+    }
+}
+
+/// A HIP stream someone else owns (a server's `hipStream_t`; null is the default stream), on
+/// which hipkv only queues work. CPU and emulated backends ignore it: their calls are done when
+/// they return.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct StreamHandle(pub(crate) hipStream_t);
+
+// SAFETY: a stream handle may be used from any thread (see `Stream`).
+unsafe impl Send for StreamHandle {}
+// SAFETY: as above.
+unsafe impl Sync for StreamHandle {}
+
+impl StreamHandle {
+    /// The default (null) stream.
+    pub const DEFAULT: StreamHandle = StreamHandle(std::ptr::null_mut());
+
+    /// Wraps a `hipStream_t`.
+    ///
+    /// # Safety
+    /// `raw` is null or a live stream of the HIP runtime hipkv loaded, and stays live while
+    /// hipkv queues work on it.
+    pub unsafe fn from_raw(raw: *mut std::ffi::c_void) -> StreamHandle {
+        StreamHandle(raw.cast())
+    }
+
+    /// The `hipStream_t`.
+    pub fn as_raw(self) -> *mut std::ffi::c_void {
+        self.0.cast()
+    }
+
+    /// Waits until all work on the stream is done; a kernel fault surfaces here.
+    pub fn synchronize(self) -> Result<()> {
+        let rt = runtime()?;
+        count_synchronization();
+        // SAFETY: a live (or the default) stream, by the handle's contract.
+        let code = unsafe { (rt.api().hipStreamSynchronize)(self.0) };
+        Ok(rt.check("hipStreamSynchronize", code)?)
+    }
+
+    /// Queues a copy of `bytes` bytes between two places in device memory.
+    ///
+    /// # Safety
+    /// Both ranges lie in live device allocations until the copy completes, and do not overlap.
+    pub unsafe fn copy_device(self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        let rt = runtime()?;
+        // SAFETY: the caller's contract; a device-to-device copy queued on the stream.
+        let code = unsafe {
+            (rt.api().hipMemcpyAsync)(
+                dst as *mut std::ffi::c_void,
+                src as *const std::ffi::c_void,
+                bytes,
+                hipMemcpyKind::hipMemcpyDeviceToDevice,
+                self.0,
+            )
+        };
+        Ok(rt.check("hipMemcpyAsync", code)?)
     }
 }
 
@@ -256,14 +325,15 @@ impl Event {
     }
 
     /// Records the event after the work queued on `stream` so far.
-    pub fn record(&self, stream: &Stream) -> Result<()> {
-        // SAFETY: live event and stream handles.
-        let code = unsafe { (self.rt.api().hipEventRecord)(self.raw, stream.raw) };
+    pub fn record(&self, stream: StreamHandle) -> Result<()> {
+        // SAFETY: live event and stream handles (the handle's contract).
+        let code = unsafe { (self.rt.api().hipEventRecord)(self.raw, stream.0) };
         Ok(self.rt.check("hipEventRecord", code)?)
     }
 
     /// Milliseconds from `start` to this event, both recorded; waits for this one.
     pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
+        count_synchronization();
         // SAFETY: a live event handle.
         let code = unsafe { (self.rt.api().hipEventSynchronize)(self.raw) };
         self.rt.check("hipEventSynchronize", code)?;
@@ -339,7 +409,7 @@ impl Module {
         grid: [u32; 3],
         block: [u32; 3],
         params: &P,
-        stream: &Stream,
+        stream: StreamHandle,
     ) -> Result<()> {
         let mut args = [(params as *const P).cast_mut().cast::<c_void>()];
         // SAFETY: the caller guarantees the params; the runtime copies the argument block
@@ -354,7 +424,7 @@ impl Module {
                 block[1],
                 block[2],
                 0,
-                stream.raw,
+                stream.0,
                 args.as_mut_ptr(),
                 std::ptr::null_mut(),
             )

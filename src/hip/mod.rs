@@ -23,7 +23,10 @@ mod memory;
     clippy::all
 )]
 pub mod sys;
+mod traffic;
 
 pub use device::{Device, Devices};
 pub use loader::{HipError, LoadError, Runtime, runtime};
-pub use memory::{DeviceBuffer, DeviceCopy, Event, Function, Module, Stream};
+pub use memory::{DeviceBuffer, DeviceCopy, Event, Function, Module, Stream, StreamHandle};
+pub use traffic::{Traffic, traffic};
+pub(crate) use traffic::{count_allocation, count_copy, count_synchronization};

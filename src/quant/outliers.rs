@@ -66,6 +66,31 @@ impl OutlierThresholds {
         })
     }
 
+    /// Checks the shape against `heads × head_dim` and that every range is finite and ordered
+    /// (a NaN or inverted range would make clipping meaningless).
+    pub fn validate(&self, heads: usize, head_dim: usize) -> Result<()> {
+        let n = heads * head_dim;
+        if (self.heads, self.head_dim, self.lo.len(), self.hi.len()) != (heads, head_dim, n, n) {
+            return Err(Error::Shape {
+                what: "outlier thresholds (heads × head_dim, lo and hi)",
+                expected: n,
+                got: self.lo.len().min(self.hi.len()),
+            });
+        }
+        match (0..n).find(|&i| {
+            let (lo, hi) = (self.lo[i], self.hi[i]);
+            !(lo.is_finite() && hi.is_finite() && lo <= hi)
+        }) {
+            None => Ok(()),
+            Some(i) => Err(Error::InvalidOutlierThresholds {
+                head: i / head_dim,
+                channel: i % head_dim,
+                lo: self.lo[i],
+                hi: self.hi[i],
+            }),
+        }
+    }
+
     /// The `(lo, hi)` slices of one head.
     pub fn head(&self, head: usize) -> (&[f32], &[f32]) {
         let r = head * self.head_dim..(head + 1) * self.head_dim;
