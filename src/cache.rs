@@ -10,7 +10,6 @@
 
 use std::sync::Mutex;
 
-use crate::backend::cpu::{CacheView, PagedSeq};
 use crate::backend::{Backend, DeviceMemory};
 use crate::error::{Error, Result};
 use crate::hip::{Device, StreamHandle};
@@ -780,36 +779,9 @@ impl KvCache {
     /// measurements; attention itself never makes this copy.
     pub fn read_back(&self, layer: usize, seq: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_layer_seq(layer, seq)?;
-        let cfg = &self.config;
-        let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let s = &self.layers[layer].seqs[seq];
-        let (cache, state) = self.host_layer(layer, seq)?;
-        let view = CacheView {
-            layout: self.paged.layout(),
-            cache: &cache,
-            rope: None,
-        };
-        let paged_seq = PagedSeq {
-            len: s.len,
-            blocks: &s.blocks,
-            state: &state,
-        };
-        let mut k = vec![0f32; s.len * h * d];
-        let mut v = vec![0f32; s.len * h * d];
-        for head in 0..h {
-            for block in view.blocks(&paged_seq, head, 0..usize::MAX) {
-                for t in 0..block.tokens {
-                    let pos = block.first_pos + t;
-                    let at = (pos * h + head) * d;
-                    block.k.dequantize(t, &mut k[at..at + d]);
-                    block.v.dequantize(t, &mut v[at..at + d]);
-                    if let (Some(rope), true) = (self.rope.as_ref(), cfg.scheme.pre_rope) {
-                        rope.rotate(&mut k[at..at + d], pos);
-                    }
-                }
-            }
-        }
-        Ok((k, v))
+        self.paged
+            .read_back(layer, &self.layers[layer].cache, &s.blocks, seq, s.len)
     }
 
     /// Everything stored for `seq` in `layer`, as bytes in a canonical order: its blocks in

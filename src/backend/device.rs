@@ -181,7 +181,9 @@ impl Gpu {
         dst.check(offset, src.len())?;
         match &dst.0 {
             Mem::Host(h) => {
+                // The emulated device counts what the GPU's copy would make: a wait, a copy.
                 if matches!(self, Gpu::Emu) {
+                    self.finish(stream)?;
                     count_copy();
                 }
                 // SAFETY: the range lies inside the allocation (checked) and `src` is host
@@ -215,6 +217,7 @@ impl Gpu {
         match &src.0 {
             Mem::Host(h) => {
                 if matches!(self, Gpu::Emu) {
+                    self.finish(stream)?;
                     count_copy();
                 }
                 // SAFETY: the range lies inside the allocation (checked); nothing writes it

@@ -734,6 +734,78 @@ impl PagedCache {
         Ok(u64::from_le_bytes(bytes))
     }
 
+    /// Dequantizes positions `0..len` of the sequence in slot `slot` whose blocks are `blocks`,
+    /// from layer cache `cache`: `(k, v)`, each `len × kv_heads × head_dim`, keys as attention
+    /// sees them (rotated where stored before RoPE). For tests and inspection: it waits for the
+    /// default stream and copies the layer to the host; attention never makes this copy.
+    pub fn read_back(
+        &self,
+        layer: usize,
+        cache: &DeviceMemory,
+        blocks: &[i32],
+        slot: usize,
+        len: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let spec = self.layout.spec();
+        let (h, d) = (spec.kv_heads, spec.head_dim);
+        if slot >= spec.max_seqs {
+            return Err(Error::OutOfRange {
+                what: "sequence slot",
+                index: slot,
+                limit: spec.max_seqs,
+            });
+        }
+        let needed = len.div_ceil(self.layout.block_tokens());
+        if blocks.len() < needed
+            || blocks[..needed]
+                .iter()
+                .any(|&b| b < 0 || b as usize >= spec.num_blocks)
+        {
+            return Err(Error::Shape {
+                what: "blocks of the sequence (ids within the layout, one per block it holds)",
+                expected: needed,
+                got: blocks.len(),
+            });
+        }
+        if cache.bytes() < self.layout.cache_bytes() {
+            return Err(Error::Shape {
+                what: "layer cache (layout.cache_bytes())",
+                expected: self.layout.cache_bytes(),
+                got: cache.bytes(),
+            });
+        }
+        let mut host = vec![0u8; self.layout.cache_bytes()];
+        self.gpu
+            .download(cache, 0, &mut host, StreamHandle::DEFAULT)?;
+        let state = self.download_state(layer, slot)?;
+        let view = cpu::CacheView {
+            layout: &self.layout,
+            cache: &host,
+            rope: None,
+        };
+        let seq = cpu::PagedSeq {
+            len,
+            blocks,
+            state: &state,
+        };
+        let mut k = vec![0f32; len * h * d];
+        let mut v = vec![0f32; len * h * d];
+        for head in 0..h {
+            for block in view.blocks(&seq, head, 0..usize::MAX) {
+                for t in 0..block.tokens {
+                    let pos = block.first_pos + t;
+                    let at = (pos * h + head) * d;
+                    block.k.dequantize(t, &mut k[at..at + d]);
+                    block.v.dequantize(t, &mut v[at..at + d]);
+                    if let Some(rope) = &self.rope_table {
+                        rope.rotate(&mut k[at..at + d], pos);
+                    }
+                }
+            }
+        }
+        Ok((k, v))
+    }
+
     /// The state of slot `slot` of `layer`, as bytes (tests and the owning cache's reads).
     pub fn download_state(&self, layer: usize, slot: usize) -> Result<Vec<u8>> {
         self.check_layer(layer)?;

@@ -1,6 +1,8 @@
 //! Shared helpers of the integration tests: cache construction and the naive reference attention.
 #![allow(dead_code)]
 
+pub mod rig;
+
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, KvCache, Query, Rope, RopeLayout, RopeTable, Scheme};
 
@@ -74,21 +76,45 @@ pub fn queries<'a>(qs: &'a [Vec<f32>], outs: &'a mut [Vec<f32>]) -> Vec<Query<'a
 
 pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f32> {
     let c = *cache.config();
-    let (h, d, r) = (c.kv_heads, c.head_dim, c.gqa());
+    let d = c.head_dim;
     let (k, v) = cache.read_back(0, seq).unwrap();
     let len = cache.len(0, seq).unwrap();
     let width = c.q_heads * d;
     let q_len = q.len() / width;
-    let table = c.rope.map(|rope| RopeTable::new(rope, d, c.capacity));
+    let mut q = q.to_vec();
+    if let Some(table) = c.rope.map(|rope| RopeTable::new(rope, d, c.capacity)) {
+        for (t, token) in q.chunks_exact_mut(width).enumerate() {
+            for head in token.chunks_exact_mut(d) {
+                table.rotate(head, len - q_len + t);
+            }
+        }
+    }
+    naive_chunk(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale)
+}
+
+/// Causal attention, in f64, of a query chunk `q` (`q_len × q_heads × head_dim`, rotated: the
+/// last `q_len` of `len` positions) over keys and values (`len × kv_heads × head_dim`, keys
+/// rotated).
+#[allow(clippy::too_many_arguments)]
+pub fn naive_chunk(
+    k: &[f32],
+    v: &[f32],
+    q: &[f32],
+    len: usize,
+    kv_heads: usize,
+    q_heads: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let (h, r) = (kv_heads, q_heads / kv_heads);
+    let width = q_heads * d;
+    let q_len = q.len() / width;
     let mut out = vec![0f32; q.len()];
     for t in 0..q_len {
         let pos = len - q_len + t;
-        for qh in 0..c.q_heads {
+        for qh in 0..q_heads {
             let kh = qh / r;
-            let mut qv = q[t * width + qh * d..][..d].to_vec();
-            if let Some(table) = &table {
-                table.rotate(&mut qv, pos);
-            }
+            let qv = &q[t * width + qh * d..][..d];
             let logits: Vec<f64> = (0..=pos)
                 .map(|p| {
                     let kv = &k[(p * h + kh) * d..][..d];

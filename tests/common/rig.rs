@@ -1,0 +1,256 @@
+//! A server in miniature for the paged API's tests: one paged cache on a backend, its layers'
+//! blocks and a workspace allocated through it, and calls that take host arrays, put them in
+//! the backend's memory (setup-time copies, outside the calls under test) and run one call.
+
+use half::{bf16, f16};
+use hipkv::Backend;
+use hipkv::hip::StreamHandle;
+use hipkv::paged::{
+    BatchLimits, DType, DeviceMemory, KvBatch, Layout, PagedCache, QueryBatch, Workspace,
+};
+
+pub struct Rig {
+    pub paged: PagedCache,
+    pub caches: Vec<DeviceMemory>,
+    pub workspace: DeviceMemory,
+    pub limits: BatchLimits,
+}
+
+/// Host arrays, in the backend's memory.
+pub struct Uploaded(pub Vec<DeviceMemory>);
+
+impl Uploaded {
+    pub fn addr(&self, i: usize) -> u64 {
+        self.0[i].addr()
+    }
+}
+
+/// `x` as bytes of `dtype`.
+pub fn encode(x: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => x
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        DType::BF16 => x
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Bytes of `dtype` as f32.
+pub fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    }
+}
+
+/// `x` rounded through `dtype`, as the calls read it.
+pub fn through(x: &[f32], dtype: DType) -> Vec<f32> {
+    decode(&encode(x, dtype), dtype)
+}
+
+pub fn le_bytes<T: Copy, const N: usize>(xs: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    xs.iter().flat_map(|&x| f(x)).collect()
+}
+
+impl Rig {
+    pub fn new(layout: Layout, layers: usize, backend: Backend, max_tokens: usize) -> Rig {
+        let paged = PagedCache::new(layout, layers, backend).unwrap();
+        let limits = BatchLimits { max_tokens };
+        let caches = (0..layers)
+            .map(|_| paged.alloc(layout.cache_bytes()).unwrap())
+            .collect();
+        let workspace = paged.alloc(layout.workspace_bytes(limits)).unwrap();
+        Rig {
+            paged,
+            caches,
+            workspace,
+            limits,
+        }
+    }
+
+    pub fn layout(&self) -> &Layout {
+        self.paged.layout()
+    }
+
+    /// Copies each array into a fresh allocation of the backend.
+    pub fn upload(&self, parts: &[&[u8]]) -> Uploaded {
+        Uploaded(
+            parts
+                .iter()
+                .map(|p| {
+                    let mem = self.paged.alloc(p.len().max(1)).unwrap();
+                    self.paged
+                        .upload(&mem, 0, p, StreamHandle::DEFAULT)
+                        .unwrap();
+                    mem
+                })
+                .collect(),
+        )
+    }
+
+    /// Uploads a write: k, v (`dtype`), slots, sequence slots, positions.
+    pub fn stage_write(
+        &self,
+        k: &[f32],
+        v: &[f32],
+        dtype: DType,
+        slots: &[i64],
+        seqs: &[i32],
+        positions: &[i32],
+    ) -> (KvBatch, Uploaded) {
+        let up = self.upload(&[
+            &encode(k, dtype),
+            &encode(v, dtype),
+            &le_bytes(slots, i64::to_le_bytes),
+            &le_bytes(seqs, i32::to_le_bytes),
+            &le_bytes(positions, i32::to_le_bytes),
+        ]);
+        let batch = KvBatch {
+            tokens: slots.len(),
+            dtype,
+            k: up.addr(0),
+            v: up.addr(1),
+            slot_mapping: up.addr(2),
+            seq_slots: up.addr(3),
+            positions: up.addr(4),
+        };
+        (batch, up)
+    }
+
+    /// One `write_kv` of staged inputs, then `check`.
+    pub fn run_write(&self, layer: usize, batch: &KvBatch) -> hipkv::Result<()> {
+        // SAFETY: the rig's cache of `layer`, and inputs the caller staged with `stage_write`
+        // and keeps alive over the call (which waits in `check`).
+        unsafe {
+            self.paged.write_kv(
+                layer,
+                self.caches[layer].addr(),
+                batch,
+                StreamHandle::DEFAULT,
+            )?
+        };
+        self.paged.check(StreamHandle::DEFAULT)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(
+        &self,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        dtype: DType,
+        slots: &[i64],
+        seqs: &[i32],
+        positions: &[i32],
+    ) -> hipkv::Result<()> {
+        let (batch, _inputs) = self.stage_write(k, v, dtype, slots, seqs, positions);
+        self.run_write(layer, &batch)
+    }
+
+    /// Uploads an attention batch and room for its output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage_attend(
+        &self,
+        q: &[f32],
+        dtype: DType,
+        starts: &[i32],
+        lens: &[i32],
+        tables: &[i32],
+        width: usize,
+        slots: &[i32],
+        scale: f32,
+    ) -> (QueryBatch, Uploaded) {
+        let up = self.upload(&[
+            &encode(q, dtype),
+            &vec![0u8; q.len() * dtype.bytes()],
+            &le_bytes(starts, i32::to_le_bytes),
+            &le_bytes(lens, i32::to_le_bytes),
+            &le_bytes(tables, i32::to_le_bytes),
+            &le_bytes(slots, i32::to_le_bytes),
+        ]);
+        let q_lens = starts.windows(2).map(|w| (w[1] - w[0]).max(0) as usize);
+        let batch = QueryBatch {
+            num_seqs: lens.len(),
+            tokens: *starts.last().unwrap() as usize,
+            max_q_len: q_lens.max().unwrap_or(0),
+            max_seq_len: lens.iter().copied().max().unwrap_or(0).max(0) as usize,
+            max_blocks_per_seq: width,
+            dtype,
+            softmax_scale: scale,
+            q: up.addr(0),
+            out: up.addr(1),
+            query_start_loc: up.addr(2),
+            seq_lens: up.addr(3),
+            block_tables: up.addr(4),
+            seq_slots: up.addr(5),
+        };
+        (batch, up)
+    }
+
+    /// One `attend` of staged inputs, then `check`; the output as f32.
+    pub fn run_attend(
+        &self,
+        layer: usize,
+        batch: &QueryBatch,
+        inputs: &Uploaded,
+    ) -> (hipkv::Result<()>, Vec<f32>) {
+        let workspace = Workspace {
+            addr: self.workspace.addr(),
+            limits: self.limits,
+        };
+        // SAFETY: the rig's cache of `layer` and workspace, and inputs staged by
+        // `stage_attend`, alive over the call (which waits in `check`).
+        let queued = unsafe {
+            self.paged.attend(
+                layer,
+                self.caches[layer].addr(),
+                batch,
+                &workspace,
+                StreamHandle::DEFAULT,
+            )
+        };
+        let result = queued.and_then(|()| self.paged.check(StreamHandle::DEFAULT));
+        let mut bytes = vec![0u8; inputs.0[1].bytes()];
+        self.paged
+            .download(&inputs.0[1], 0, &mut bytes, StreamHandle::DEFAULT)
+            .unwrap();
+        let n = batch.tokens * self.layout().spec().q_heads * self.layout().head_dim();
+        (
+            result,
+            decode(&bytes[..n * batch.dtype.bytes()], batch.dtype),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        layer: usize,
+        q: &[f32],
+        dtype: DType,
+        starts: &[i32],
+        lens: &[i32],
+        tables: &[i32],
+        width: usize,
+        slots: &[i32],
+        scale: f32,
+    ) -> (hipkv::Result<()>, Vec<f32>) {
+        let (batch, inputs) =
+            self.stage_attend(q, dtype, starts, lens, tables, width, slots, scale);
+        self.run_attend(layer, &batch, &inputs)
+    }
+}
