@@ -245,26 +245,48 @@ fn build_emulator(out: &Path) {
         .extra_warnings(true)
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-fno-exceptions")
-        // `.hip` files are C++ for the host compiler.
-        .flag_if_supported("-xc++")
         .cargo_metadata(false);
-    let mut units: Vec<(String, Vec<&str>, Option<u32>)> =
-        vec![("emu".into(), EMU_SOURCES.to_vec(), None)];
+    let mut units: Vec<(String, Vec<PathBuf>)> = vec![(
+        "emu".into(),
+        EMU_SOURCES.iter().map(PathBuf::from).collect(),
+    )];
+    let root = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
     for src in KERNEL_SOURCES {
         let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
         for d in HEAD_DIMS {
-            units.push((format!("{stem}.d{d}"), vec![*src], Some(d)));
+            // A file of the unit's own name: archives keep one member per object name, and the
+            // static library would otherwise hold one head_dim of each source.
+            let name = format!("{stem}_d{d}");
+            let wrapper = out.join(format!("{name}.cpp"));
+            let text = format!(
+                "#define HIPKV_HEAD_DIM {d}\n#define HIPKV_EMU_UNIT {name}\n#include \"{}\"\n",
+                root.join(src).display()
+            );
+            fs::write(&wrapper, text).expect("write an emulator unit");
+            units.push((name, vec![wrapper]));
         }
     }
+    // Every kernel unit's anchor (emu.h), for the Rust side to refer to.
+    let anchors: Vec<String> = units[1..]
+        .iter()
+        .map(|(name, ..)| format!("hipkv_emu_unit_{name}"))
+        .collect();
+    let mut rs = String::from("unsafe extern \"C\" {\n");
+    for a in &anchors {
+        writeln!(rs, "    fn {a}();").unwrap();
+    }
+    rs.push_str("}\n/// Every emulated kernel unit's anchor.\npub(crate) static EMU_UNITS: &[unsafe extern \"C\" fn()] = &[\n");
+    for a in &anchors {
+        writeln!(rs, "    {a},").unwrap();
+    }
+    rs.push_str("];\n");
+    fs::write(out.join("emu_units.rs"), rs).expect("write emu_units.rs");
     let objects: Vec<PathBuf> = std::thread::scope(|scope| {
         let handles: Vec<_> = units
             .iter()
-            .map(|(name, sources, head_dim)| {
+            .map(|(name, sources)| {
                 let mut build = base.clone();
                 build.out_dir(out.join("emu").join(name)).files(sources);
-                if let Some(d) = head_dim {
-                    build.define("HIPKV_HEAD_DIM", d.to_string().as_str());
-                }
                 scope.spawn(move || build.compile_intermediates())
             })
             .collect();

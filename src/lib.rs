@@ -6,6 +6,7 @@
 pub mod abi;
 pub mod backend;
 pub mod cache;
+pub mod capi;
 pub mod codeobj;
 pub mod error;
 #[cfg(feature = "eval")]

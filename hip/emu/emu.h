@@ -68,4 +68,14 @@ struct Registrar {
                                                      (uint32_t)sizeof(PARAMS));       \
     static void NAME(PARAMS p)
 
+// Each emulated kernel source defines an anchor named after its unit (build.rs passes
+// HIPKV_EMU_UNIT, such as attention_d64), which the Rust side refers to: a program that links
+// the static library pulls only the objects something refers to, and the kernels register
+// themselves from static initializers nothing else refers to.
+#define HIPKV_EMU_CAT2(a, b) a##b
+#define HIPKV_EMU_CAT(a, b) HIPKV_EMU_CAT2(a, b)
+#ifdef HIPKV_EMU_UNIT
+extern "C" void HIPKV_EMU_CAT(hipkv_emu_unit_, HIPKV_EMU_UNIT)(void) {}
+#endif
+
 #endif

@@ -21,6 +21,17 @@ unsafe extern "C" {
     ) -> c_int;
 }
 
+include!(concat!(env!("OUT_DIR"), "/emu_units.rs"));
+
+/// Refers to every emulated kernel unit, so that a program linking hipkv's static library
+/// keeps them (and their kernels' registrations).
+fn keep_units() {
+    for anchor in EMU_UNITS {
+        // SAFETY: each anchor is an empty `extern "C"` function of the emulator archive.
+        unsafe { anchor() };
+    }
+}
+
 /// Launches `name` with `params` over `grid` workgroups of `block` work-items, on every core.
 pub(crate) fn launch<P: Copy>(
     name: &str,
@@ -28,6 +39,7 @@ pub(crate) fn launch<P: Copy>(
     grid: [u32; 3],
     block: [u32; 3],
 ) -> Result<()> {
+    keep_units();
     let c_name = CString::new(name).expect("kernel names have no NUL");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     let mut err = vec![0 as c_char; 1024];
