@@ -746,6 +746,42 @@ impl PagedCache {
         slot: usize,
         len: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mut all = self.read_back_seqs(layer, cache, &[(blocks, slot, len)])?;
+        Ok(all.pop().expect("one sequence"))
+    }
+
+    /// [`read_back`](Self::read_back) of several sequences `(blocks, slot, len)`, copying the
+    /// layer to the host once.
+    pub fn read_back_seqs(
+        &self,
+        layer: usize,
+        cache: &DeviceMemory,
+        seqs: &[(&[i32], usize, usize)],
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        if cache.bytes() < self.layout.cache_bytes() {
+            return Err(Error::Shape {
+                what: "layer cache (layout.cache_bytes())",
+                expected: self.layout.cache_bytes(),
+                got: cache.bytes(),
+            });
+        }
+        let mut host = vec![0u8; self.layout.cache_bytes()];
+        self.gpu
+            .download(cache, 0, &mut host, StreamHandle::DEFAULT)?;
+        seqs.iter()
+            .map(|&(blocks, slot, len)| self.dequantize(layer, &host, blocks, slot, len))
+            .collect()
+    }
+
+    /// One sequence of a host copy of a layer cache, dequantized.
+    fn dequantize(
+        &self,
+        layer: usize,
+        host: &[u8],
+        blocks: &[i32],
+        slot: usize,
+        len: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let spec = self.layout.spec();
         let (h, d) = (spec.kv_heads, spec.head_dim);
         if slot >= spec.max_seqs {
@@ -767,20 +803,10 @@ impl PagedCache {
                 got: blocks.len(),
             });
         }
-        if cache.bytes() < self.layout.cache_bytes() {
-            return Err(Error::Shape {
-                what: "layer cache (layout.cache_bytes())",
-                expected: self.layout.cache_bytes(),
-                got: cache.bytes(),
-            });
-        }
-        let mut host = vec![0u8; self.layout.cache_bytes()];
-        self.gpu
-            .download(cache, 0, &mut host, StreamHandle::DEFAULT)?;
         let state = self.download_state(layer, slot)?;
         let view = cpu::CacheView {
             layout: &self.layout,
-            cache: &host,
+            cache: host,
             rope: None,
         };
         let seq = cpu::PagedSeq {
