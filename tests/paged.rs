@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::rig::{Rig, through};
+use common::rig::{Rig, Server, step};
 use common::{assert_rows_close, naive_chunk};
 use hipkv::backend::HipStatus;
 use hipkv::hip::{StreamHandle, traffic};
@@ -37,140 +37,6 @@ fn layout(scheme: &str, gqa: usize, head_dim: usize) -> Layout {
         }),
     })
     .unwrap()
-}
-
-/// How close an output in `dtype` comes to the f64 reference, relative to its row's largest
-/// element: the kernels' 1e-5 in f32, plus the output's own rounding.
-fn tolerance(dtype: DType) -> f32 {
-    match dtype {
-        DType::F32 => 1e-5,
-        DType::F16 => 1e-3,
-        DType::BF16 => 8e-3,
-    }
-}
-
-/// A server's view of its sequences: slot, blocks and length each, and a free list.
-struct Server {
-    free: Vec<i32>,
-    seqs: Vec<(i32, Vec<i32>, usize)>,
-    block_tokens: usize,
-}
-
-impl Server {
-    fn new(layout: &Layout, rng: &mut Rng) -> Server {
-        let mut free: Vec<i32> = (0..layout.spec().num_blocks as i32).collect();
-        // Blocks come in any order: a shuffled free list.
-        for i in (1..free.len()).rev() {
-            free.swap(i, rng.below(i + 1));
-        }
-        Server {
-            free,
-            seqs: Vec::new(),
-            block_tokens: layout.block_tokens(),
-        }
-    }
-
-    /// The slots, sequence slots and positions of `n` new tokens of sequence `s`, taking
-    /// blocks as needed.
-    fn grow(&mut self, s: usize, n: usize) -> (Vec<i64>, Vec<i32>, Vec<i32>) {
-        let bt = self.block_tokens;
-        let (slot, blocks, len) = &mut self.seqs[s];
-        let mut out = (Vec::new(), Vec::new(), Vec::new());
-        for p in *len..*len + n {
-            if p % bt == 0 {
-                blocks.push(self.free.pop().expect("enough blocks"));
-            }
-            out.0
-                .push(i64::from(blocks[p / bt]) * bt as i64 + (p % bt) as i64);
-            out.1.push(*slot);
-            out.2.push(p as i32);
-        }
-        *len += n;
-        out
-    }
-
-    /// The batch of `(sequence, query tokens)`: query_start_loc, seq_lens, block tables (of
-    /// `width` columns), sequence slots.
-    fn batch(
-        &self,
-        chunks: &[(usize, usize)],
-        width: usize,
-    ) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
-        let mut starts = vec![0];
-        let (mut lens, mut tables, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-        for &(s, q_len) in chunks {
-            let (slot, blocks, len) = &self.seqs[s];
-            starts.push(starts.last().unwrap() + q_len as i32);
-            lens.push(*len as i32);
-            slots.push(*slot);
-            let mut row = blocks.clone();
-            row.resize(width, 0);
-            tables.extend(row);
-        }
-        (starts, lens, tables, slots)
-    }
-}
-
-/// One step: writes `chunks` (sequence, new tokens) in one batch, attends the same chunks in
-/// another, and checks every output against the reference.
-fn step(
-    rig: &Rig,
-    server: &mut Server,
-    rng: &mut Rng,
-    chunks: &[(usize, usize)],
-    dtype: DType,
-    what: &str,
-) {
-    let spec = *rig.layout().spec();
-    let (h, d) = (spec.kv_heads, spec.head_dim);
-    let (mut slots, mut seqs, mut positions) = (Vec::new(), Vec::new(), Vec::new());
-    for &(s, n) in chunks {
-        let (a, b, c) = server.grow(s, n);
-        slots.extend(a);
-        seqs.extend(b);
-        positions.extend(c);
-    }
-    let tokens = slots.len();
-    let k = hipkv::synth::keys_with_outlier_channels(rng, tokens, h, d, 2, 4.0);
-    let v = rng.normals(tokens * h * d);
-    rig.write(0, &k, &v, dtype, &slots, &seqs, &positions)
-        .unwrap_or_else(|e| panic!("{what}: write_kv: {e}"));
-
-    let width = server.seqs.iter().map(|s| s.1.len()).max().unwrap() + 1;
-    let (starts, lens, tables, seq_slots) = server.batch(chunks, width);
-    let q = rng.normals(tokens * spec.q_heads * d);
-    let scale = 1.0 / (d as f32).sqrt();
-    let (result, out) = rig.attend(
-        0, &q, dtype, &starts, &lens, &tables, width, &seq_slots, scale,
-    );
-    result.unwrap_or_else(|e| panic!("{what}: attend: {e}"));
-    let q = through(&q, dtype);
-    let row = spec.q_heads * d;
-    for (i, &(s, n)) in chunks.iter().enumerate() {
-        let (slot, blocks, len) = &server.seqs[s];
-        let (rk, rv) = rig
-            .paged
-            .read_back(0, &rig.caches[0], blocks, *slot as usize, *len)
-            .unwrap();
-        let at = starts[i] as usize * row;
-        let want = naive_chunk(
-            &rk,
-            &rv,
-            &q[at..at + n * row],
-            *len,
-            h,
-            spec.q_heads,
-            d,
-            scale,
-        );
-        assert_rows_close(
-            &out[at..at + n * row],
-            &want,
-            d,
-            tolerance(dtype),
-            &format!("{what}: sequence {s} ({n} of {len})"),
-        );
-    }
 }
 
 #[test]
