@@ -12,13 +12,12 @@ use crate::abi::{
     HIPKV_CHECK_ATTEND, HIPKV_CHECK_COPY_BLOCKS, HIPKV_CHECK_WRITE, HIPKV_DTYPE_BF16,
     HIPKV_DTYPE_F16, hipkv_attn_params, hipkv_copy_params, hipkv_device_error, hipkv_write_params,
 };
-use crate::cache::Query;
 use crate::paged::Layout;
 use crate::quant::{self, put_f16};
 use crate::rope::RopeTable;
 use crate::scheme::{Format, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Stream, StreamLayout};
 
-use super::{CacheView, PagedSeq};
+use super::{CacheView, ChunkQuery, PagedSeq};
 
 /// Records the first bad index since the last check, as the kernels' `report_bad_index`.
 ///
@@ -373,11 +372,10 @@ pub(crate) unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option
         queries.push((start, q));
     }
     let mut outs: Vec<Vec<f32>> = queries.iter().map(|(_, q)| vec![0f32; q.len()]).collect();
-    let mut batch: Vec<Query<'_>> = queries
+    let mut batch: Vec<ChunkQuery<'_>> = queries
         .iter()
         .zip(&mut outs)
-        .enumerate()
-        .map(|(i, ((_, q), out))| Query { seq: i, q, out })
+        .map(|((_, q), out)| ChunkQuery { q, out })
         .collect();
     let view = CacheView {
         layout,

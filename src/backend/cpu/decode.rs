@@ -1,0 +1,495 @@
+//! Each format's rows decoded into vector registers, 8 channels at a time, in the channel order
+//! the format packs them in; and the parameters of a run of rows converted to f32 once.
+
+use crate::quant::get_f16;
+use crate::scheme::{Format, LowBits, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
+
+use super::super::simd::Kernel;
+use super::view::StreamBlock;
+
+/// Binds `$rows` to the [`Rows`] decoder of stream block `$s` (its parameters converted into
+/// `$buf`) and evaluates `$body`, monomorphized for each format.
+macro_rules! with_rows {
+    ($k:expr, $s:expr, $n:expr, $buf:ident, |$rows:ident| $body:expr) => {{
+        let s: &StreamBlock<'_> = &$s;
+        let d = s.head_dim;
+        assert_eq!(s.row_bytes, s.format.row_bytes(d));
+        s.params_f32($k, $n, &mut $buf);
+        let packed = Packed::new(s.rows, s.row_bytes, $n);
+        match s.format {
+            Format::F16 => {
+                let $rows = F16Rows { packed };
+                $body
+            }
+            Format::Q8 => {
+                assert!($buf.len() >= $n);
+                let $rows = Q8Rows {
+                    packed,
+                    scales: &$buf,
+                };
+                $body
+            }
+            Format::Q8_0 => {
+                let blocks = d / Q8_0_BLOCK;
+                assert!($buf.len() >= $n * blocks);
+                let $rows = Q80Rows {
+                    packed,
+                    scales: &$buf,
+                    blocks,
+                };
+                $body
+            }
+            Format::Tok { bits, group } => {
+                let group = group.size(d);
+                let (groups, group_shift) = (d / group, group.trailing_zeros());
+                assert!(group.is_power_of_two() && $buf.len() >= 2 * groups * $n);
+                let params = &$buf;
+                assert!(group >= 32 && d.is_multiple_of(32));
+                match bits {
+                    LowBits::Four => {
+                        let $rows = TokRows::<4> {
+                            codes: ChanCodes { packed },
+                            params,
+                            groups,
+                            group_shift,
+                        };
+                        $body
+                    }
+                    LowBits::Two => {
+                        let $rows = TokRows::<2> {
+                            codes: ChanCodes { packed },
+                            params,
+                            groups,
+                            group_shift,
+                        };
+                        $body
+                    }
+                }
+            }
+            Format::Chan { bits } => {
+                let (scale, min) = $buf.split_at(d);
+                assert!(min.len() == d && d.is_multiple_of(32));
+                match bits {
+                    LowBits::Four => {
+                        let codes = ChanCodes::<4> { packed };
+                        let $rows = ChanRows { codes, scale, min };
+                        $body
+                    }
+                    LowBits::Two => {
+                        let codes = ChanCodes::<2> { packed };
+                        let $rows = ChanRows { codes, scale, min };
+                        $body
+                    }
+                }
+            }
+        }
+    }};
+}
+pub(super) use with_rows;
+
+/// The order in which the attention loops see a stream's channels. A 4-bit or 2-bit code row
+/// decodes 16 or 32 channels per 8-byte load only in an interleaved order, so the loops keep
+/// the queries (keys) and the output accumulators (values) in the order of the stream's format
+/// and put the accumulators back once per work item: dot products and per-channel sums do not
+/// care about order. Every chunk of 16 or 32 channels stays in place, and so within one
+/// quantization group (groups have at least 32 channels).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Order {
+    /// Channel `c` at position `c`.
+    Natural,
+    /// 4-bit codes, 16 channels per 8 bytes: each chunk's even channels (the low nibbles),
+    /// then its odd channels (the high nibbles).
+    Nibbles,
+    /// 2-bit codes, 32 channels per 8 bytes: each chunk's channels `4i` (bits 0..2 of the
+    /// bytes), then `4i + 1`, `4i + 2` and `4i + 3`.
+    Crumbs,
+}
+
+impl Order {
+    pub(super) fn of(format: Format) -> Order {
+        match format {
+            Format::Tok {
+                bits: LowBits::Four,
+                ..
+            }
+            | Format::Chan {
+                bits: LowBits::Four,
+            } => Order::Nibbles,
+            Format::Tok {
+                bits: LowBits::Two, ..
+            }
+            | Format::Chan { bits: LowBits::Two } => Order::Crumbs,
+            Format::F16 | Format::Q8 | Format::Q8_0 => Order::Natural,
+        }
+    }
+
+    /// The channel at position `p`.
+    pub(super) fn channel(self, p: usize) -> usize {
+        match self {
+            Order::Natural => p,
+            Order::Nibbles => (p & !15) + 2 * (p & 7) + ((p >> 3) & 1),
+            Order::Crumbs => (p & !31) + 4 * (p & 7) + ((p >> 3) & 3),
+        }
+    }
+
+    /// The position of channel `c`.
+    pub(super) fn position(self, c: usize) -> usize {
+        match self {
+            Order::Natural => c,
+            Order::Nibbles => (c & !15) + 8 * (c & 1) + ((c & 15) >> 1),
+            Order::Crumbs => (c & !31) + 8 * (c & 3) + ((c & 31) >> 2),
+        }
+    }
+
+    /// Rows of `d` natural-order values put into this order: `out[p] = x[channel(p)]`.
+    pub(super) fn permute(self, x: &[f32], d: usize, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend(
+            x.chunks_exact(d)
+                .flat_map(|row| (0..d).map(move |p| row[self.channel(p)])),
+        );
+    }
+
+    /// Rows of `d` values in this order put back into natural order, in place.
+    pub(super) fn unpermute(self, x: &mut [f32], d: usize) {
+        if self == Order::Natural {
+            return;
+        }
+        let mut row = vec![0f32; d];
+        for chunk in x.chunks_exact_mut(d) {
+            row.copy_from_slice(chunk);
+            for (p, &v) in row.iter().enumerate() {
+                chunk[self.channel(p)] = v;
+            }
+        }
+    }
+}
+
+/// Token rows of one stream, dequantized eight channels at a time into a vector register, in
+/// the [`Order`] of the stream's format.
+///
+/// Each implementation is built for `n` tokens of `d` channels, `d` a multiple of 32, and
+/// checks, when built, that its slices hold them; `row8` then reads without further checks.
+pub(super) trait Rows {
+    /// Positions decoded from one load (8, 16 or 32); the loops step over positions by a
+    /// multiple of it, so that `j` below is a constant in each unrolled copy.
+    const CHUNK: usize;
+
+    /// Positions `c0 + 8j .. c0 + 8j + 8` of token `t`.
+    ///
+    /// # Safety
+    /// `t < n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`.
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V;
+}
+
+/// Already dequantized rows (pre-RoPE keys after rotation, reordered sink values).
+pub(super) struct F32Rows<'a> {
+    pub(super) data: &'a [f32],
+    pub(super) d: usize,
+}
+
+impl<'a> F32Rows<'a> {
+    pub(super) fn new(data: &'a [f32], n: usize, d: usize) -> Self {
+        assert!(data.len() >= n * d);
+        F32Rows { data, d }
+    }
+}
+
+impl Rows for F32Rows<'_> {
+    const CHUNK: usize = 8;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: `data` holds `n × d` floats (checked in `new`) and the contract of `row8`
+        // keeps `t·d + c0 + 8j + 8` within them.
+        unsafe { k.load_ptr(self.data.as_ptr().add(t * self.d + c0 + 8 * j)) }
+    }
+}
+
+/// Packed rows of a block: `n` rows of `row_bytes`, checked to be in the slice.
+#[derive(Clone, Copy)]
+pub(super) struct Packed<'a> {
+    pub(super) rows: &'a [u8],
+    pub(super) row_bytes: usize,
+}
+
+impl<'a> Packed<'a> {
+    pub(super) fn new(rows: &'a [u8], row_bytes: usize, n: usize) -> Self {
+        assert!(rows.len() >= n * row_bytes);
+        Packed { rows, row_bytes }
+    }
+
+    /// Pointer to byte `offset` of row `t`.
+    ///
+    /// # Safety
+    /// `t < n` and `offset < row_bytes`.
+    #[inline(always)]
+    pub(super) unsafe fn at(&self, t: usize, offset: usize) -> *const u8 {
+        // SAFETY: within the `n × row_bytes` bytes checked in `new`.
+        unsafe { self.rows.as_ptr().add(t * self.row_bytes + offset) }
+    }
+}
+
+pub(super) struct F16Rows<'a> {
+    pub(super) packed: Packed<'a>,
+}
+
+impl Rows for F16Rows<'_> {
+    const CHUNK: usize = 8;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: an f16 row has `2d` bytes; `c0 + 8j + 8 <= d` keeps the 16 bytes read
+        // inside it.
+        unsafe { k.f16x8(self.packed.at(t, 2 * (c0 + 8 * j))) }
+    }
+}
+
+/// `q8`: `scale[t] · int8`.
+pub(super) struct Q8Rows<'a> {
+    pub(super) packed: Packed<'a>,
+    pub(super) scales: &'a [f32],
+}
+
+impl Rows for Q8Rows<'_> {
+    const CHUNK: usize = 8;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: a q8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside
+        // it; `scales` holds one per token (checked where built).
+        unsafe {
+            k.mul(
+                k.i8x8(self.packed.at(t, c0 + 8 * j)),
+                k.splat(*self.scales.get_unchecked(t)),
+            )
+        }
+    }
+}
+
+/// `q8_0`: `d[t][block] · int8`, the scale inside each 34-byte block.
+pub(super) struct Q80Rows<'a> {
+    pub(super) packed: Packed<'a>,
+    pub(super) scales: &'a [f32],
+    pub(super) blocks: usize,
+}
+
+impl Rows for Q80Rows<'_> {
+    const CHUNK: usize = 8;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        let c = c0 + 8 * j;
+        let (b, i) = (c / Q8_0_BLOCK, c % Q8_0_BLOCK);
+        // SAFETY: block `b < d / 32` of the row holds 2 + 32 bytes and `i + 8 <= 32`; `scales`
+        // holds `n × blocks` (checked where built).
+        unsafe {
+            let codes = k.i8x8(self.packed.at(t, b * Q8_0_BLOCK_BYTES + 2 + i));
+            k.mul(
+                codes,
+                k.splat(*self.scales.get_unchecked(t * self.blocks + b)),
+            )
+        }
+    }
+}
+
+/// Bare low-bit codes: 16 (4-bit) or 32 (2-bit) positions per 8-byte load, in the
+/// [`Order::Nibbles`] or [`Order::Crumbs`] order. Used alone for per-channel keys, whose
+/// parameters are folded into the queries.
+#[derive(Clone, Copy)]
+pub(super) struct ChanCodes<'a, const BITS: usize> {
+    pub(super) packed: Packed<'a>,
+}
+
+impl<const BITS: usize> ChanCodes<'_, BITS> {
+    /// `table[code]` for positions `c0 + 8j ..+ 8` of row `t` (`table` is used by 2-bit codes
+    /// only; 4-bit codes are converted).
+    ///
+    /// # Safety
+    /// As [`Rows::row8`], for rows of `d · BITS / 8` bytes and `d` a multiple of 32.
+    #[inline(always)]
+    pub(super) unsafe fn lookup<K: Kernel>(
+        &self,
+        k: K,
+        t: usize,
+        c0: usize,
+        j: usize,
+        table: K::V,
+    ) -> K::V {
+        let chunk = <Self as Rows>::CHUNK;
+        let per_load = chunk / 8;
+        // The load that holds position `c0 + 8j`, and which of its vectors that is.
+        let (base, j) = (c0 + j / per_load * chunk, j % per_load);
+        // SAFETY: `d` is a multiple of `CHUNK`, so the chunk at `base` lies within the row,
+        // whose `base · BITS / 8 .. + 8` bytes hold it.
+        unsafe {
+            let p = self.packed.at(t, base * BITS / 8);
+            if BITS == 4 {
+                k.nib8(p, j == 1)
+            } else {
+                k.crumb8(p, j as u32, table)
+            }
+        }
+    }
+}
+
+impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
+    const CHUNK: usize = 64 / BITS;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: forwarded contract.
+        unsafe { self.lookup(k, t, c0, j, k.crumb_table(1.0, 0.0)) }
+    }
+}
+
+/// `q*_tok`: `min[t][group] + scale[t][group] · code`.
+pub(super) struct TokRows<'a, const BITS: usize> {
+    pub(super) codes: ChanCodes<'a, BITS>,
+    /// `(scale, min)` per token per group.
+    pub(super) params: &'a [f32],
+    pub(super) groups: usize,
+    /// log2 of the channels per group (group sizes are powers of two, at least 32).
+    pub(super) group_shift: u32,
+}
+
+impl<const BITS: usize> Rows for TokRows<'_, BITS> {
+    const CHUNK: usize = 64 / BITS;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // A chunk lies within one group, so position `c0` names the group.
+        let p = 2 * (t * self.groups + (c0 >> self.group_shift));
+        // SAFETY: forwarded contract; `params` holds `2 × groups` per token (checked where
+        // built) and `c0 >> group_shift < groups`.
+        unsafe {
+            let (scale, min) = (
+                *self.params.get_unchecked(p),
+                *self.params.get_unchecked(p + 1),
+            );
+            if BITS == 4 {
+                let codes = self.codes.lookup(k, t, c0, j, k.splat(0.0));
+                k.fmadd(codes, k.splat(scale), k.splat(min))
+            } else {
+                // The table holds the four dequantized values.
+                self.codes.lookup(k, t, c0, j, k.crumb_table(scale, min))
+            }
+        }
+    }
+}
+
+/// `q*_chan`: `min[c] + scale[c] · code`, parameters shared by the page's tokens (for the
+/// outlier corrections and pre-RoPE keys; scores fold the parameters into the queries).
+pub(super) struct ChanRows<'a, const BITS: usize> {
+    pub(super) codes: ChanCodes<'a, BITS>,
+    /// Per position, in the codes' order.
+    pub(super) scale: &'a [f32],
+    pub(super) min: &'a [f32],
+}
+
+impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
+    const CHUNK: usize = 64 / BITS;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        let c = c0 + 8 * j;
+        // SAFETY: forwarded contract; `scale` and `min` hold `d` floats (checked where built).
+        unsafe {
+            let codes = self.codes.row8(k, t, c0, j);
+            let scale = k.load_ptr(self.scale.as_ptr().add(c));
+            k.fmadd(codes, scale, k.load_ptr(self.min.as_ptr().add(c)))
+        }
+    }
+}
+
+impl StreamBlock<'_> {
+    /// Converts the f16 parameters of the first `n` tokens to f32 in `out`, laid out as the
+    /// format's [`Rows`] reads them.
+    #[inline(always)]
+    pub(super) fn params_f32<K: Kernel>(&self, k: K, n: usize, out: &mut Vec<f32>) {
+        let d = self.head_dim;
+        out.clear();
+        match self.format {
+            Format::F16 => {}
+            Format::Q8 | Format::Tok { .. } => {
+                let bytes = n * self.format.params_bytes(1, d);
+                out.resize(bytes / 2, 0.0);
+                k.f16_to_f32(&self.params[..bytes], out);
+            }
+            Format::Q8_0 => out.extend((0..n).flat_map(|t| {
+                (0..d / Q8_0_BLOCK)
+                    .map(move |b| get_f16(self.rows, t * self.row_bytes + b * Q8_0_BLOCK_BYTES))
+            })),
+            Format::Chan { .. } => {
+                // Convert the (scale, min) pairs, then de-interleave into the codes' order:
+                // scales, then minimums.
+                out.resize(4 * d, 0.0);
+                let (planar, pairs) = out.split_at_mut(2 * d);
+                k.f16_to_f32(&self.params[..4 * d], pairs);
+                let (scales, mins) = planar.split_at_mut(d);
+                match Order::of(self.format) {
+                    Order::Natural => deinterleave::<1>(pairs, scales, mins),
+                    Order::Nibbles => deinterleave::<2>(pairs, scales, mins),
+                    Order::Crumbs => deinterleave::<4>(pairs, scales, mins),
+                }
+                out.truncate(2 * d);
+            }
+        }
+    }
+}
+
+/// Splits `(scale, min)` pairs in natural channel order into scales and minimums in the order
+/// that decodes `LANES` vectors of 8 per load (1: [`Order::Natural`], 2: [`Order::Nibbles`],
+/// 4: [`Order::Crumbs`]): in each chunk of `8 · LANES` channels, position `8j + i` holds
+/// channel `LANES · i + j`. Straight-line copies, as this runs once per page.
+#[inline(always)]
+pub(super) fn deinterleave<const LANES: usize>(
+    pairs: &[f32],
+    scales: &mut [f32],
+    mins: &mut [f32],
+) {
+    let chunk = 8 * LANES;
+    for ((src, s), m) in pairs
+        .chunks_exact(2 * chunk)
+        .zip(scales.chunks_exact_mut(chunk))
+        .zip(mins.chunks_exact_mut(chunk))
+    {
+        for j in 0..LANES {
+            for i in 0..8 {
+                let c = LANES * i + j;
+                (s[8 * j + i], m[8 * j + i]) = (src[2 * c], src[2 * c + 1]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deinterleaved_parameters_follow_each_order() {
+        let d = 128;
+        let pairs: Vec<f32> = (0..2 * d).map(|i| i as f32).collect();
+        for (order, split) in [
+            (
+                Order::Natural,
+                deinterleave::<1> as fn(&[f32], &mut [f32], &mut [f32]),
+            ),
+            (Order::Nibbles, deinterleave::<2>),
+            (Order::Crumbs, deinterleave::<4>),
+        ] {
+            let (mut scales, mut mins) = (vec![0f32; d], vec![0f32; d]);
+            split(&pairs, &mut scales, &mut mins);
+            for c in 0..d {
+                let p = order.position(c);
+                assert_eq!(order.channel(p), c);
+                assert_eq!(
+                    (scales[p], mins[p]),
+                    (pairs[2 * c], pairs[2 * c + 1]),
+                    "{order:?} {c}"
+                );
+            }
+        }
+    }
+}

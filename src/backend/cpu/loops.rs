@@ -1,0 +1,670 @@
+//! The loops of one work item: for each run of rows, score every key against every query row,
+//! update the online softmax, accumulate the weighted values; each loop a function of its own
+//! per (instruction set, format, head_dim), entered through `Kernel::run`.
+
+use crate::scheme::{Format, LowBits, Q8_0_BLOCK};
+
+use super::super::simd::{Kernel, KernelFn};
+use super::decode::*;
+use super::view::{Block, CacheView, StreamBlock};
+use super::{HeadQueries, Partial};
+
+/// Evaluates `$body` with `$d` (a validated head_dim) as the constant `$dc`, one copy per
+/// entry of [`crate::scheme::HEAD_DIMS`]: the loops of a block are built once per head_dim, so
+/// their channel loops have constant trip counts that the compiler unrolls and folds into
+/// addresses.
+macro_rules! with_head_dim {
+    ($d:expr, |$dc:ident| $body:expr) => {{
+        const _: () = assert!(matches!(crate::scheme::HEAD_DIMS, [64, 128, 256]));
+        match $d {
+            64 => {
+                const $dc: usize = 64;
+                $body
+            }
+            128 => {
+                const $dc: usize = 128;
+                $body
+            }
+            256 => {
+                const $dc: usize = 256;
+                $body
+            }
+            d => unreachable!("head_dim {d} passed CacheConfig's check against HEAD_DIMS"),
+        }
+    }};
+}
+
+pub(super) struct RunItem<'v, 'a> {
+    pub(super) view: &'v CacheView<'a>,
+    pub(super) blocks: &'v [Block<'a>],
+    pub(super) hq: &'v HeadQueries,
+}
+
+impl KernelFn<Partial> for RunItem<'_, '_> {
+    #[inline(always)]
+    fn call<K: Kernel>(self, k: K) -> Partial {
+        with_head_dim!(self.view.layout.head_dim(), |D| run_item(
+            k,
+            self.view,
+            self.blocks,
+            self.hq,
+            D
+        ))
+    }
+}
+
+/// One work item: online softmax over the blocks for every query row of the head. Per block:
+/// score every key against every query row, update the softmax state, accumulate the weighted
+/// values; rows are decoded into registers inside those loops and never stored dequantized.
+#[inline(always)]
+pub(super) fn run_item<K: Kernel>(
+    k: K,
+    view: &CacheView<'_>,
+    blocks: &[Block<'_>],
+    hq: &HeadQueries,
+    d: usize,
+) -> Partial {
+    debug_assert_eq!(d, view.layout.head_dim());
+    let rows = hq.pos.len();
+    let mut part = Partial {
+        max: vec![f32::NEG_INFINITY; rows],
+        sum: vec![0.0; rows],
+        acc: vec![0.0; rows * d],
+    };
+    // Quantized key pages are scored against the queries in the key format's order; f16 sinks
+    // and residual tokens and rotated pre-RoPE keys against the natural-order rows. Values
+    // accumulate in the value format's order.
+    let (k_order, v_order) = (
+        Order::of(view.layout.head_layout().k.format),
+        Order::of(view.layout.head_layout().v.format),
+    );
+    let mut queries = Vec::new();
+    k_order.permute(&hq.rows, d, &mut queries);
+    let g = blocks.iter().map(|b| b.tokens).max().unwrap_or(0);
+    let mut scores = vec![0f32; rows * g];
+    let mut params = Vec::new();
+    let (mut dense, mut permuted) = (Vec::new(), Vec::new());
+    let (mut folded, mut bias) = (Vec::new(), Vec::new());
+    for (i, block) in blocks.iter().enumerate() {
+        let n = block.tokens;
+        let next = blocks.get(i + 1);
+        let mut prefetch_k = Prefetch::new(k, next.map(|b| &b.k), n.div_ceil(2));
+        let mut prefetch_v = Prefetch::new(k, next.map(|b| &b.v), d / 16);
+        let order = Order::of(block.k.format);
+        if view.layout.scheme().pre_rope {
+            // Keys stored before RoPE: dequantize the block's keys and rotate each to its
+            // position (KVQuant), then score the rotated rows.
+            dense.resize(n * d, 0.0);
+            with_rows!(k, block.k, n, params, |rows| decode_block(
+                k, &rows, order, n, d, &mut dense
+            ));
+            let rope = view
+                .rope
+                .expect("pre_rope schemes are validated to have RoPE");
+            for (t, key) in dense.chunks_exact_mut(d).enumerate() {
+                for (c, x) in block.k.outliers(t) {
+                    key[c] = x;
+                }
+                rope.rotate(key, block.first_pos + t);
+            }
+            let rows = F32Rows::new(&dense, n, d);
+            score_block(k, &rows, n, d, &hq.rows, &mut scores, g, &mut prefetch_k);
+        } else if let Format::Chan { bits } = block.k.format {
+            // Per-channel parameters are the page's: fold the scales into the queries and the
+            // minimums into one bias per row, and score the bare codes.
+            block.k.params_f32(k, n, &mut params);
+            let (scale, min) = params.split_at(d);
+            fold_chan_params(k, &queries, scale, min, d, &mut folded, &mut bias);
+            let packed = Packed::new(block.k.rows, block.k.row_bytes, n);
+            match bits {
+                LowBits::Four => {
+                    let codes = ChanCodes::<4> { packed };
+                    score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
+                    let rows = ChanRows { codes, scale, min };
+                    correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                }
+                LowBits::Two => {
+                    let codes = ChanCodes::<2> { packed };
+                    score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
+                    let rows = ChanRows { codes, scale, min };
+                    correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                }
+            }
+            for (r, b) in bias.iter().enumerate() {
+                scores[r * g..r * g + n].iter_mut().for_each(|s| *s += b);
+            }
+        } else {
+            let q = if order == Order::Natural {
+                &hq.rows
+            } else {
+                &queries
+            };
+            with_rows!(k, block.k, n, params, |rows| {
+                score_block(k, &rows, n, d, q, &mut scores, g, &mut prefetch_k);
+                correct_scores(k, &rows, block, order, hq, &mut scores, g);
+            });
+        }
+        softmax_block(k, hq, block.first_pos, n, &mut scores, g, d, &mut part);
+        let order = Order::of(block.v.format);
+        if order == v_order {
+            with_rows!(k, block.v, n, params, |rows| {
+                accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
+                // Sparse outliers: add w·(exact − dense) to the outlier's channel.
+                if block.v.outliers.is_some() {
+                    for t in 0..n {
+                        for (c, x) in block.v.outliers(t) {
+                            let delta = x - dense_value(k, &rows, order, t, c);
+                            let at = v_order.position(c);
+                            for r in 0..hq.pos.len() {
+                                part.acc[r * d + at] += scores[r * g + t] * delta;
+                            }
+                        }
+                    }
+                }
+            });
+        } else {
+            // f16 sink values while the accumulators are in a low-bit format's order: decode,
+            // put the outliers in, reorder, accumulate.
+            dense.resize(n * d, 0.0);
+            with_rows!(k, block.v, n, params, |rows| decode_block(
+                k, &rows, order, n, d, &mut dense
+            ));
+            for (t, value) in dense.chunks_exact_mut(d).enumerate() {
+                for (c, x) in block.v.outliers(t) {
+                    value[c] = x;
+                }
+            }
+            v_order.permute(&dense, d, &mut permuted);
+            let rows = F32Rows::new(&permuted, n, d);
+            accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
+        }
+    }
+    v_order.unpermute(&mut part.acc, d);
+    part
+}
+
+/// `folded[r][p] = q[r][p] · scale[p]` and `bias[r] = Σ_p q[r][p] · min[p]`, so that
+/// `q · (scale ⊙ code + min) = folded · code + bias` (all in the key format's order).
+#[inline(always)]
+pub(super) fn fold_chan_params<K: Kernel>(
+    k: K,
+    q: &[f32],
+    scale: &[f32],
+    min: &[f32],
+    d: usize,
+    folded: &mut Vec<f32>,
+    bias: &mut Vec<f32>,
+) {
+    assert!(d.is_multiple_of(8) && scale.len() == d && min.len() == d);
+    folded.resize(q.len(), 0.0);
+    let mut sums = [k.splat(0.0); 8];
+    bias.clear();
+    let rows = q.len() / d;
+    for (r, (qr, f)) in q
+        .chunks_exact(d)
+        .zip(folded.chunks_exact_mut(d))
+        .enumerate()
+    {
+        let mut b = k.splat(0.0);
+        for c in (0..d).step_by(8) {
+            // SAFETY: `c + 8 <= d` and every slice here holds `d` floats.
+            unsafe {
+                let qv = k.load_ptr(qr.as_ptr().add(c));
+                k.store_ptr(
+                    k.mul(qv, k.load_ptr(scale.as_ptr().add(c))),
+                    f.as_mut_ptr().add(c),
+                );
+                b = k.fmadd(qv, k.load_ptr(min.as_ptr().add(c)), b);
+            }
+        }
+        sums[r % 8] = b;
+        if r % 8 == 7 || r + 1 == rows {
+            bias.extend_from_slice(&k.hsum8(sums)[..r % 8 + 1]);
+        }
+    }
+}
+
+/// Sparse key outliers: corrects each score by `q · (exact − dense)`.
+#[inline(always)]
+pub(super) fn correct_scores<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    block: &Block<'_>,
+    order: Order,
+    hq: &HeadQueries,
+    scores: &mut [f32],
+    g: usize,
+) {
+    if block.k.outliers.is_none() {
+        return;
+    }
+    let d = block.k.head_dim;
+    for t in 0..block.tokens {
+        for (c, x) in block.k.outliers(t) {
+            let delta = x - dense_value(k, rows, order, t, c);
+            for r in 0..hq.pos.len() {
+                scores[r * g + t] += hq.rows[r * d + c] * delta;
+            }
+        }
+    }
+}
+
+/// The packed rows of a stream of the next block, prefetched a few cache lines per step of a
+/// loop over the current block (its few parameter lines at once): pages are scattered in the
+/// pool and hardware prefetchers stop at 4 KiB boundaries, and one burst of every line at the
+/// start of a block stalls the core on its miss buffers instead.
+#[derive(Clone, Copy)]
+pub(super) struct Prefetch<'a> {
+    pub(super) rows: &'a [u8],
+    /// Offset of the next line to fetch.
+    pub(super) at: usize,
+    /// Lines per step.
+    pub(super) lines: usize,
+}
+
+impl<'a> Prefetch<'a> {
+    /// Spreads the rows of `stream` over `steps` calls of [`Prefetch::step`].
+    pub(super) fn new<K: Kernel>(k: K, stream: Option<&StreamBlock<'a>>, steps: usize) -> Self {
+        let rows = stream.map_or(&[][..], |s| {
+            k.prefetch(s.params);
+            s.rows
+        });
+        Prefetch {
+            rows,
+            at: 0,
+            lines: rows.len().div_ceil(64).div_ceil(steps.max(1)),
+        }
+    }
+
+    /// Fetches the next few lines; a branch-light loop, as it runs inside the hot loops.
+    #[inline(always)]
+    pub(super) fn step<K: Kernel>(&mut self, k: K) {
+        for _ in 0..self.lines {
+            if self.at < self.rows.len() {
+                k.prefetch_line(&self.rows[self.at..]);
+            }
+            self.at += 64;
+        }
+    }
+}
+
+/// Masks tokens past each row's position (causal chunks), then turns the block's scores into
+/// softmax weights against each row's running maximum, rescaling the row's state once.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn softmax_block<K: Kernel>(
+    k: K,
+    hq: &HeadQueries,
+    first_pos: usize,
+    n: usize,
+    scores: &mut [f32],
+    g: usize,
+    d: usize,
+    part: &mut Partial,
+) {
+    for (r, &pos) in hq.pos.iter().enumerate() {
+        let visible = (pos + 1).saturating_sub(first_pos).min(n);
+        let s = &mut scores[r * g..r * g + n];
+        s[visible..].fill(f32::NEG_INFINITY);
+        let block_max = k.max_of(s);
+        if block_max == f32::NEG_INFINITY {
+            s.fill(0.0);
+            continue;
+        }
+        let m = part.max[r].max(block_max);
+        let alpha = (part.max[r] - m).exp2();
+        part.max[r] = m;
+        if alpha != 1.0 {
+            part.sum[r] *= alpha;
+            part.acc[r * d..(r + 1) * d]
+                .iter_mut()
+                .for_each(|a| *a *= alpha);
+        }
+        part.sum[r] += k.exp2_shifted_sum(s, m);
+    }
+}
+
+/// Walks `$total` query rows in register-blocked groups of 4, then 2, then 1, binding `$r0` to
+/// each group's first row and the constant `$qr` to its size; `$body` handles those rows.
+macro_rules! for_row_groups {
+    ($total:expr, |$r0:ident, $qr:ident| $body:expr) => {{
+        let total = $total;
+        let mut $r0 = 0;
+        while $r0 < total {
+            match total - $r0 {
+                1 => {
+                    const $qr: usize = 1;
+                    $body;
+                    $r0 += $qr;
+                }
+                2 | 3 => {
+                    const $qr: usize = 2;
+                    $body;
+                    $r0 += $qr;
+                }
+                _ => {
+                    const $qr: usize = 4;
+                    $body;
+                    $r0 += $qr;
+                }
+            }
+        }
+    }};
+}
+
+/// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
+/// rows per pass so each key row is decoded once per four query rows. `q` is in the rows'
+/// order.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn score_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    scores: &mut [f32],
+    g: usize,
+    prefetch: &mut Prefetch<'_>,
+) {
+    struct Loop<'s, 'p, R, const D: usize> {
+        rows: &'s R,
+        n: usize,
+        q: &'s [f32],
+        scores: &'s mut [f32],
+        g: usize,
+        prefetch: &'s mut Prefetch<'p>,
+    }
+    impl<R: Rows, const D: usize> KernelFn<()> for Loop<'_, '_, R, D> {
+        #[inline(always)]
+        fn call<K: Kernel>(self, k: K) {
+            // A copy the loops keep in registers, not behind the caller's pointer.
+            let mut prefetch = *self.prefetch;
+            score_loop(
+                k,
+                self.rows,
+                self.n,
+                D,
+                self.q,
+                self.scores,
+                self.g,
+                &mut prefetch,
+            );
+            *self.prefetch = prefetch;
+        }
+    }
+    with_head_dim!(d, |D| k.run(Loop::<R, D> {
+        rows,
+        n,
+        q,
+        scores,
+        g,
+        prefetch
+    }));
+}
+
+/// [`score_block`]'s loops, for `d` a constant.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn score_loop<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    scores: &mut [f32],
+    g: usize,
+    prefetch: &mut Prefetch<'_>,
+) {
+    for_row_groups!(q.len() / d, |r0, QR| score_rows::<K, R, QR>(
+        k, rows, n, d, q, r0, scores, g, prefetch
+    ));
+}
+
+/// Scores tokens two at a time so each query load feeds two keys and the `2 × QR` dot
+/// products form independent FMA chains (one chain per accumulator stalls on FMA latency).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn score_rows<K: Kernel, R: Rows, const QR: usize>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    q: &[f32],
+    r0: usize,
+    scores: &mut [f32],
+    g: usize,
+    prefetch: &mut Prefetch<'_>,
+) {
+    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(R::CHUNK) && n <= g);
+    assert!(scores.len() >= (r0 + QR) * g);
+    let mut t = 0;
+    while t + 2 <= n {
+        prefetch.step(k);
+        score_tokens::<K, R, QR, 2>(k, rows, d, q, r0, t, scores, g);
+        t += 2;
+    }
+    if t < n {
+        score_tokens::<K, R, QR, 1>(k, rows, d, q, r0, t, scores, g);
+    }
+}
+
+/// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
+/// that the rows, tokens and scores are in range and that `d` is a multiple of `R::CHUNK`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
+    k: K,
+    rows: &R,
+    d: usize,
+    q: &[f32],
+    r0: usize,
+    t0: usize,
+    scores: &mut [f32],
+    g: usize,
+) {
+    let qp = q.as_ptr();
+    let mut acc = [[k.splat(0.0); QR]; TT];
+    for c0 in (0..d).step_by(R::CHUNK) {
+        for j in 0..R::CHUNK / 8 {
+            // SAFETY: `t0 + TT <= n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`
+            // (the rows' contract); query row `r0 + i` lies within `q` (checked by
+            // `score_rows`).
+            unsafe {
+                // A plain loop, not `array::from_fn`: a closure the compiler leaves out of
+                // line is compiled without AVX2 and turns every intrinsic into a call.
+                let mut keys = [k.splat(0.0); TT];
+                for (i, key) in keys.iter_mut().enumerate() {
+                    *key = rows.row8(k, t0 + i, c0, j);
+                }
+                for i in 0..QR {
+                    let qv = k.load_ptr(qp.add((r0 + i) * d + c0 + 8 * j));
+                    for (acc, key) in acc.iter_mut().zip(keys) {
+                        acc[i] = k.fmadd(qv, key, acc[i]);
+                    }
+                }
+            }
+        }
+    }
+    const { assert!(QR * TT <= 8) };
+    let mut all = [k.splat(0.0); 8];
+    for (i, acc) in acc.iter().enumerate() {
+        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
+    }
+    let sums = k.hsum8(all);
+    let sp = scores.as_mut_ptr();
+    for i in 0..TT {
+        for j in 0..QR {
+            // SAFETY: `score_rows` checked `scores.len() >= (r0 + QR)·g`, and
+            // `t0 + i < n <= g`.
+            unsafe { *sp.add((r0 + j) * g + t0 + i) = sums[i * QR + j] };
+        }
+    }
+}
+
+/// `acc += Σ_t w[t] · value[t]` for up to four query rows, sixteen positions at a time with
+/// the rows' accumulators in registers across the block's tokens. `acc` is in the rows' order.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn accumulate_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    acc: &mut [f32],
+    prefetch: &mut Prefetch<'_>,
+) {
+    struct Loop<'s, 'p, R, const D: usize> {
+        rows: &'s R,
+        n: usize,
+        w: &'s [f32],
+        g: usize,
+        acc: &'s mut [f32],
+        prefetch: &'s mut Prefetch<'p>,
+    }
+    impl<R: Rows, const D: usize> KernelFn<()> for Loop<'_, '_, R, D> {
+        #[inline(always)]
+        fn call<K: Kernel>(self, k: K) {
+            let mut prefetch = *self.prefetch;
+            accumulate_loop(
+                k,
+                self.rows,
+                self.n,
+                D,
+                self.w,
+                self.g,
+                self.acc,
+                &mut prefetch,
+            );
+            *self.prefetch = prefetch;
+        }
+    }
+    with_head_dim!(d, |D| k.run(Loop::<R, D> {
+        rows,
+        n,
+        w,
+        g,
+        acc,
+        prefetch
+    }));
+}
+
+/// [`accumulate_block`]'s loops, for `d` a constant.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn accumulate_loop<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    acc: &mut [f32],
+    prefetch: &mut Prefetch<'_>,
+) {
+    for_row_groups!(acc.len() / d, |r0, QR| {
+        accumulate_rows::<K, R, QR>(k, rows, n, d, w, g, r0, acc, prefetch)
+    });
+}
+
+/// Sixteen positions per pass: each weight broadcast feeds two FMAs and the `2 × QR`
+/// accumulators are independent chains across the tokens. A 2-bit chunk takes two passes.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
+    k: K,
+    rows: &R,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    r0: usize,
+    acc: &mut [f32],
+    prefetch: &mut Prefetch<'_>,
+) {
+    let step = R::CHUNK.max(16);
+    assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
+    assert!(d.is_multiple_of(step) && step.is_multiple_of(R::CHUNK));
+    let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
+    for c0 in (0..d).step_by(step) {
+        for pass in 0..step / 16 {
+            prefetch.step(k);
+            let c = c0 + 16 * pass;
+            // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in
+            // `w` and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c0` a multiple
+            // of `CHUNK` and `c + 16 <= d` is the rows' contract.
+            unsafe {
+                let mut a = [[k.splat(0.0); 2]; QR];
+                for (j, a) in a.iter_mut().enumerate() {
+                    for (h, a) in a.iter_mut().enumerate() {
+                        *a = k.load_ptr(ap.add((r0 + j) * d + c + 8 * h));
+                    }
+                }
+                for t in 0..n {
+                    let value = [
+                        rows.row8(k, t, c0, 2 * pass),
+                        rows.row8(k, t, c0, 2 * pass + 1),
+                    ];
+                    for (j, a) in a.iter_mut().enumerate() {
+                        let wt = k.splat(*wp.add((r0 + j) * g + t));
+                        for (a, v) in a.iter_mut().zip(value) {
+                            *a = k.fmadd(wt, v, *a);
+                        }
+                    }
+                }
+                for (j, a) in a.into_iter().enumerate() {
+                    for (h, a) in a.into_iter().enumerate() {
+                        k.store_ptr(a, ap.add((r0 + j) * d + c + 8 * h));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Writes the first `n` dequantized rows into `out` (`n × d`), in natural channel order (the
+/// rows' order is `order`).
+#[inline(always)]
+pub(super) fn decode_block<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    order: Order,
+    n: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    assert!(out.len() >= n * d && d.is_multiple_of(R::CHUNK));
+    let mut row = vec![0f32; d];
+    for t in 0..n {
+        for c0 in (0..d).step_by(R::CHUNK) {
+            for j in 0..R::CHUNK / 8 {
+                // SAFETY: `t < n`, `c0` a multiple of `CHUNK`, `c0 + 8j + 8 <= d`.
+                k.store(unsafe { rows.row8(k, t, c0, j) }, &mut row[c0 + 8 * j..]);
+            }
+        }
+        for (p, &v) in row.iter().enumerate() {
+            out[t * d + order.channel(p)] = v;
+        }
+    }
+}
+
+/// The dense (clipped, quantized) value of channel `c` of token `t`, computed exactly as the
+/// vector loops compute it, so an outlier correction `exact − dense` restores `exact`.
+#[inline(always)]
+pub(super) fn dense_value<K: Kernel, R: Rows>(
+    k: K,
+    rows: &R,
+    order: Order,
+    t: usize,
+    c: usize,
+) -> f32 {
+    let p = order.position(c);
+    let c0 = p / R::CHUNK * R::CHUNK;
+    let mut lanes = [0f32; 8];
+    // SAFETY: the outlier store holds channels `c < d` of tokens `t < n`; `d` is a multiple of
+    // `CHUNK`, so `c0` is one and `p - p % 8 + 8 <= d`.
+    k.store(unsafe { rows.row8(k, t, c0, (p - c0) / 8) }, &mut lanes);
+    lanes[p % 8]
+}

@@ -1,0 +1,181 @@
+//! CPU attention over a paged cache, decode and chunked prefill: split-K over (query, KV head,
+//! block range) work items on all cores, dequantization into vector registers inside the score
+//! and value loops, online softmax in base 2 with f32 state, and a combine step: the same
+//! algorithm the GPU kernels run. By concern:
+//! - [`view`]: where a sequence's rows are (blocks, sinks, residual windows);
+//! - this module: the work items (the split of each sequence's blocks) and the combine;
+//! - [`decode`]: each format's rows decoded into vector registers, and the channel orders;
+//! - [`loops`]: the score, softmax and value loops of one work item;
+//! - [`paged`]: the paged calls (`write_kv`, `attend`, `copy_blocks`) on host memory.
+
+mod decode;
+mod loops;
+pub(crate) mod paged;
+mod view;
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::simd::dispatch;
+
+pub(crate) use view::{CacheView, PagedSeq};
+
+use loops::RunItem;
+
+/// One query chunk of [`attend`]: `q_len × q_heads × head_dim` rows, and room for the output.
+pub(crate) struct ChunkQuery<'a> {
+    pub(crate) q: &'a [f32],
+    pub(crate) out: &'a mut [f32],
+}
+
+/// Softmax state and output accumulator of every query row of one work item.
+struct Partial {
+    /// Running maximum of the base-2 logits, per row.
+    max: Vec<f32>,
+    /// Running sum of `exp2(logit - max)`, per row.
+    sum: Vec<f32>,
+    /// `rows × head_dim`.
+    acc: Vec<f32>,
+}
+
+/// The query rows of one (query, KV head): every query head of the GQA group at every chunk
+/// position, pre-rotated and pre-scaled by `softmax_scale · log2(e)`.
+pub(crate) struct HeadQueries {
+    pub(crate) rows: Vec<f32>,
+    /// Position of each row's token: it attends to positions `≤` this.
+    pub(crate) pos: Vec<usize>,
+}
+
+/// Work item: one (query, KV head, page range).
+struct Item {
+    query: usize,
+    head: usize,
+    pages: Range<usize>,
+}
+
+/// Attends each query's chunk over its sequence and writes `Query::out`.
+pub(crate) fn attend(
+    view: &CacheView<'_>,
+    seqs: &[PagedSeq<'_>],
+    queries: &mut [ChunkQuery<'_>],
+    scale: f32,
+) {
+    let spec = view.layout.spec();
+    let (d, r) = (spec.head_dim, view.layout.gqa());
+    let kv_heads = spec.kv_heads;
+    let width = spec.q_heads * d;
+    let prepared = prepare_queries(view, seqs, queries, scale);
+
+    let threads = rayon::current_num_threads();
+    let items: Vec<Item> = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(qi, seq)| {
+            let pages = view.pages(seq.len);
+            let want = (4 * threads).div_ceil(seqs.len() * kv_heads);
+            let splits = want.min(pages / 4).max(1);
+            let per = pages.div_ceil(splits).max(1);
+            (0..kv_heads).flat_map(move |head| {
+                (0..splits).map(move |s| Item {
+                    query: qi,
+                    head,
+                    pages: s * per..((s + 1) * per).min(pages.max(1)),
+                })
+            })
+        })
+        .collect();
+
+    let partials: Vec<Partial> = items
+        .par_iter()
+        .map(|item| {
+            let hq = &prepared[item.query][item.head];
+            let blocks = view.blocks(&seqs[item.query], item.head, item.pages.clone());
+            dispatch(RunItem {
+                view,
+                blocks: &blocks,
+                hq,
+            })
+        })
+        .collect();
+
+    // Combine the splits of each (query, head) and scatter rows back to the query layout.
+    let mut next = 0;
+    for (qi, (query, heads)) in queries.iter_mut().zip(&prepared).enumerate() {
+        for (h, hq) in heads.iter().enumerate() {
+            let group: Vec<&Partial> = items[next..]
+                .iter()
+                .zip(&partials[next..])
+                .take_while(|(it, _)| it.query == qi && it.head == h)
+                .map(|(_, p)| p)
+                .collect();
+            next += group.len();
+            for row in 0..hq.pos.len() {
+                let (t, j) = (row / r, row % r);
+                let out = &mut query.out[t * width + (h * r + j) * d..][..d];
+                combine(&group, row, d, out);
+            }
+        }
+    }
+}
+
+/// Every query's rows per KV head (already rotated), scaled by `softmax_scale · log2(e)`: what
+/// the score loop takes, with the position each row attends up to.
+fn prepare_queries(
+    view: &CacheView<'_>,
+    seqs: &[PagedSeq<'_>],
+    queries: &[ChunkQuery<'_>],
+    scale: f32,
+) -> Vec<Vec<HeadQueries>> {
+    let spec = view.layout.spec();
+    let (d, r) = (spec.head_dim, view.layout.gqa());
+    let width = spec.q_heads * d;
+    queries
+        .iter()
+        .zip(seqs)
+        .map(|(query, seq)| {
+            let q_len = query.q.len() / width;
+            (0..spec.kv_heads)
+                .map(|h| {
+                    let mut rows = Vec::with_capacity(q_len * r * d);
+                    let mut pos = Vec::with_capacity(q_len * r);
+                    for t in 0..q_len {
+                        let p = seq.len - q_len + t;
+                        for j in 0..r {
+                            let at = t * width + (h * r + j) * d;
+                            rows.extend(
+                                query.q[at..at + d]
+                                    .iter()
+                                    .map(|x| x * scale * std::f32::consts::LOG2_E),
+                            );
+                            pos.push(p);
+                        }
+                    }
+                    HeadQueries { rows, pos }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Merges the split partials of one row: `Σ 2^(m_s - M) acc_s / Σ 2^(m_s - M) l_s`.
+fn combine(parts: &[&Partial], row: usize, d: usize, out: &mut [f32]) {
+    let m = parts
+        .iter()
+        .map(|p| p.max[row])
+        .fold(f32::NEG_INFINITY, f32::max);
+    out.fill(0.0);
+    let mut sum = 0.0;
+    for p in parts {
+        if p.sum[row] == 0.0 {
+            continue;
+        }
+        let w = (p.max[row] - m).exp2();
+        sum += w * p.sum[row];
+        for (o, a) in out.iter_mut().zip(&p.acc[row * d..(row + 1) * d]) {
+            *o += w * a;
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
