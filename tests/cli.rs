@@ -220,3 +220,43 @@ fn eval_rejects_bad_schemes_and_text_before_loading() {
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("cannot read /nonexistent/text.txt"), "{err}");
 }
+
+/// `bench --batch`: a decode step for a batch of mixed lengths through the paged API, with the
+/// kernels' and the host's time per call.
+#[test]
+fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
+    let out = hipkv(&[
+        "bench",
+        "--batch",
+        "3",
+        "--contexts",
+        "96",
+        "--schemes",
+        "q8;kivi2,sinks=4",
+        "--min-time",
+        "0",
+        "--json",
+    ]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{text}");
+    for r in rows {
+        assert_eq!(r["sequences"], 3, "{r}");
+        assert_eq!(
+            (r["min_len"].as_u64(), r["max_len"].as_u64()),
+            (Some(12), Some(96)),
+            "{r}"
+        );
+        for key in ["kernel_us", "host_us", "gb_per_s"] {
+            assert!(r[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {r}");
+        }
+    }
+    let bad = hipkv(&["bench", "--batch", "0"]);
+    assert_eq!(bad.status.code(), Some(2));
+}

@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+mod batch;
+
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -124,6 +126,10 @@ struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Time one decode step for a batch of N sequences of mixed lengths (context/8 to each
+    /// context) through the paged API, reporting the kernels' time and the host's per call.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    batch: Option<u32>,
 }
 
 fn seconds(s: &str) -> Result<f64, String> {
@@ -461,6 +467,31 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         shape.kv_heads,
         shape.head_dim,
     );
+    if let Some(n) = args.batch {
+        let mut rows = Vec::new();
+        for &context in &contexts {
+            for &scheme in &schemes {
+                progress.set_message(format!("{scheme} @ {context}, batch of {n}"));
+                rows.push(batch::batch_row(
+                    backend,
+                    shape,
+                    scheme,
+                    n as usize,
+                    context,
+                    args.min_time,
+                    &pool,
+                )?);
+                progress.inc(1);
+            }
+        }
+        progress.finish_and_clear();
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        } else {
+            batch::print_batch(&rows, backend, &shape);
+        }
+        return Ok(());
+    }
     let mut rows = Vec::new();
     for &context in &contexts {
         let first = rows.len();
