@@ -1,39 +1,36 @@
-//! Memory and kernel launches of every backend. `Hip` allocates device memory and launches the
-//! kernels of `hip/` on a server's stream; `Emu` runs the very same code with host allocations
-//! and the SIMT emulator in place of `hipMalloc`/`hipMemcpy`/`hipModuleLaunchKernel`, so CI
-//! exercises every step of the device path (allocation, uploads, launches, downloads, free)
-//! except the runtime calls themselves; `Cpu` keeps its memory in the same host allocations and
-//! runs the Rust kernels of [`super::cpu`] instead.
+//! Memory, and the two backends that run the kernels of `hip/`: `Hip` allocates device memory
+//! and launches them on a server's stream; `Emu` runs the very same launches with host
+//! allocations and the SIMT emulator in place of `hipMalloc`/`hipMemcpy`/
+//! `hipModuleLaunchKernel`, so CI exercises every step of the device path (allocation, uploads,
+//! launches, downloads, free) except the runtime calls themselves. Which kernels a paged call
+//! launches is written once (`launch_*`), for both. The CPU backend keeps its memory in the
+//! same host allocations and runs the Rust kernels of [`super::cpu`] instead.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::alloc::{Layout as AllocLayout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::abi::{HIPKV_THREADS, HIPKV_WAVE, hipkv_stream_layout};
+use crate::abi::{
+    HIPKV_THREADS, HIPKV_WAVE, hipkv_attn_params, hipkv_copy_params, hipkv_stream_layout,
+    hipkv_write_params,
+};
 use crate::error::{Error, Result};
 use crate::hip::{
     Device, DeviceBuffer, DeviceCopy, Event, Module, StreamHandle, count_allocation, count_copy,
     count_synchronization, runtime,
 };
-use crate::kernels::code_objects_for;
-use crate::scheme::{Format, StreamLayout};
+use crate::kernels::{attention_kernel_name, code_objects_for, write_kernel_name};
+use crate::paged::{AttendPlan, Layout};
+use crate::rope::RopeTable;
+use crate::scheme::{Format, Stream, StreamLayout};
 
 use super::emu;
-use super::{Backend, HipStatus};
+use super::{Backend, Engine, HipStatus};
 
 /// Alignment of every allocation: what a 128-bit load needs, and what `hipMalloc` gives.
 pub(crate) const ALIGN: usize = 256;
 
-/// Where a backend's memory lives and how its kernels run.
-pub(crate) enum Gpu {
-    /// Host allocations; the Rust kernels.
-    Cpu,
-    /// Host allocations; the HIP kernels run by the SIMT emulator.
-    Emu,
-    Hip(HipGpu),
-}
-
-/// A GPU opened for one head_dim: the code objects of its kernels.
+/// `Backend::Hip`: a GPU opened for one head_dim, with the code objects of its kernels.
 pub(crate) struct HipGpu {
     device: Device,
     attention: Module,
@@ -44,7 +41,7 @@ pub(crate) struct HipGpu {
 /// read through its address only, as device memory is.
 pub(crate) struct HostAlloc {
     ptr: NonNull<u8>,
-    layout: Layout,
+    layout: AllocLayout,
 }
 
 // SAFETY: the allocation is owned by this value and only reached through its address.
@@ -59,7 +56,7 @@ impl HostAlloc {
             bytes: bytes as u128,
             backend,
         };
-        let layout = Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| oom.clone())?;
+        let layout = AllocLayout::from_size_align(bytes.max(1), ALIGN).map_err(|_| oom.clone())?;
         // SAFETY: the layout has a non-zero size.
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(oom)?;
         Ok(HostAlloc { ptr, layout })
@@ -124,153 +121,244 @@ pub(crate) enum Timer {
     Events(Event, Event),
 }
 
-impl Gpu {
-    /// Opens `backend` for kernels of `head_dim`: for `Hip`, the first GPU whose arch this build
-    /// has kernels for, and its code objects.
-    pub(crate) fn open(backend: Backend, head_dim: usize) -> Result<Gpu> {
-        match backend {
-            Backend::Cpu => Ok(Gpu::Cpu),
-            Backend::Emu => Ok(Gpu::Emu),
-            Backend::Hip => HipGpu::open(head_dim).map(Gpu::Hip),
+/// Host memory standing in for device memory, for the CPU backend and the emulated device.
+pub(crate) fn host_alloc(bytes: usize, backend: &'static str) -> Result<DeviceMemory> {
+    HostAlloc::new(bytes, backend).map(|h| DeviceMemory(Mem::Host(h)))
+}
+
+/// Copies `src` into host memory `dst` at `offset`.
+pub(crate) fn host_upload(dst: &DeviceMemory, offset: usize, src: &[u8]) -> Result<()> {
+    dst.check(offset, src.len())?;
+    let Mem::Host(h) = &dst.0 else {
+        return Err(Error::Unsupported("device memory on a host backend".into()));
+    };
+    // SAFETY: the range lies inside the allocation (checked) and `src` is host memory of
+    // another allocation; no reference into the allocation exists.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), h.ptr.as_ptr().add(offset), src.len()) };
+    Ok(())
+}
+
+/// Copies bytes `offset..offset + dst.len()` of host memory `src` into `dst`.
+pub(crate) fn host_download(src: &DeviceMemory, offset: usize, dst: &mut [u8]) -> Result<()> {
+    src.check(offset, dst.len())?;
+    let Mem::Host(h) = &src.0 else {
+        return Err(Error::Unsupported("device memory on a host backend".into()));
+    };
+    // SAFETY: the range lies inside the allocation (checked); nothing writes it during the
+    // copy (host-memory backends finish their work before returning).
+    unsafe {
+        std::ptr::copy_nonoverlapping(h.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+    };
+    Ok(())
+}
+
+/// Copies `bytes` bytes between two places of host memory.
+///
+/// # Safety
+/// Both ranges lie in live allocations and do not overlap.
+pub(crate) unsafe fn host_copy(dst: u64, src: u64, bytes: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+}
+
+/// A device that runs the kernels of `hip/`: the GPU, or the emulator on host memory.
+pub(crate) trait Launch {
+    /// Queues kernel `name` over `grid` workgroups of `waves` waves on `stream`.
+    ///
+    /// # Safety
+    /// `params` is the kernel's params struct and every address in it lies in a live
+    /// allocation of this device until the work completes, large enough for what the kernel
+    /// reads and writes.
+    unsafe fn launch<P: Copy>(
+        &self,
+        name: &str,
+        params: &P,
+        grid: [u32; 3],
+        waves: u32,
+        stream: StreamHandle,
+    ) -> Result<()>;
+}
+
+/// `write_kv` of one stream, as kernels: the write kernel, then for a per-channel stream the
+/// residual kernel.
+///
+/// # Safety
+/// As [`Engine::write_kv`].
+pub(crate) unsafe fn launch_write_kv<L: Launch>(
+    l: &L,
+    p: &hipkv_write_params,
+    layout: &Layout,
+    stream: StreamHandle,
+) -> Result<()> {
+    let kind = if p.stream == 0 { Stream::K } else { Stream::V };
+    let format = layout.scheme().format(kind);
+    let d = layout.head_dim();
+    let grid = [p.tokens, p.g.kv_heads, 1];
+    // SAFETY: the caller's contract.
+    unsafe { l.launch(&write_kernel_name(format, d), p, grid, ONE_WAVE, stream)? };
+    if format.is_grouped_by_tokens() {
+        // SAFETY: as above.
+        unsafe {
+            l.launch(
+                &format!("hipkv_write_residual_d{d}"),
+                p,
+                grid,
+                ONE_WAVE,
+                stream,
+            )?
+        };
+    }
+    Ok(())
+}
+
+/// `attend`, as kernels: prepare the queries, attend, combine.
+///
+/// # Safety
+/// As [`Engine::attend`].
+pub(crate) unsafe fn launch_attend<L: Launch>(
+    l: &L,
+    p: &hipkv_attn_params,
+    plan: &AttendPlan,
+    layout: &Layout,
+    stream: StreamHandle,
+) -> Result<()> {
+    let spec = layout.spec();
+    let kv_heads = p.g.kv_heads;
+    let name = attention_kernel_name(spec.scheme.k, spec.scheme.v, spec.head_dim);
+    let grid = [p.num_seqs * p.tiles_per_seq, kv_heads, p.splits];
+    let rows = p.tokens * spec.q_heads as u32;
+    // SAFETY: the caller's contract.
+    unsafe {
+        l.launch(
+            "hipkv_attn_prep",
+            p,
+            [p.tokens, kv_heads, 1],
+            ONE_WAVE,
+            stream,
+        )?;
+        l.launch(&name, p, grid, plan.waves as u32, stream)?;
+        l.launch("hipkv_attn_combine", p, [rows, 1, 1], ONE_WAVE, stream)
+    }
+}
+
+/// `copy_blocks`, as a kernel: a workgroup per (pair, 4 KiB of a block).
+///
+/// # Safety
+/// As [`Engine::copy_blocks`].
+pub(crate) unsafe fn launch_copy_blocks<L: Launch>(
+    l: &L,
+    p: &hipkv_copy_params,
+    stream: StreamHandle,
+) -> Result<()> {
+    let chunks = p.block_bytes.div_ceil(4096) as u32;
+    // SAFETY: the caller's contract.
+    unsafe {
+        l.launch(
+            "hipkv_copy_blocks",
+            p,
+            [p.pairs, chunks, 1],
+            ONE_WAVE,
+            stream,
+        )
+    }
+}
+
+/// `Backend::Emu`: host memory, the kernels run by the SIMT emulator. It counts the runtime
+/// calls a GPU would make for its allocations and copies (`hip::traffic`).
+pub(crate) struct EmuEngine;
+
+impl Launch for EmuEngine {
+    unsafe fn launch<P: Copy>(
+        &self,
+        name: &str,
+        params: &P,
+        grid: [u32; 3],
+        waves: u32,
+        _stream: StreamHandle,
+    ) -> Result<()> {
+        if grid.contains(&0) {
+            return Ok(());
         }
+        emu::launch(name, params, grid, [HIPKV_WAVE * waves, 1, 1])
+    }
+}
+
+impl Engine for EmuEngine {
+    fn backend(&self) -> Backend {
+        Backend::Emu
     }
 
-    /// The backend this memory belongs to.
-    pub(crate) fn backend(&self) -> Backend {
-        match self {
-            Gpu::Cpu => Backend::Cpu,
-            Gpu::Emu => Backend::Emu,
-            Gpu::Hip(_) => Backend::Hip,
-        }
+    fn alloc(&self, bytes: usize) -> Result<DeviceMemory> {
+        count_allocation();
+        host_alloc(bytes, "emu")
     }
 
-    /// The GPU, for `Hip`.
-    pub(crate) fn device(&self) -> Option<&Device> {
-        match self {
-            Gpu::Cpu | Gpu::Emu => None,
-            Gpu::Hip(h) => Some(&h.device),
-        }
-    }
-
-    /// A zeroed allocation of `bytes`.
-    pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceMemory> {
-        match self {
-            Gpu::Cpu => HostAlloc::new(bytes, "cpu").map(|h| DeviceMemory(Mem::Host(h))),
-            Gpu::Emu => {
-                count_allocation();
-                HostAlloc::new(bytes, "emu").map(|h| DeviceMemory(Mem::Host(h)))
-            }
-            Gpu::Hip(h) => {
-                h.bind()?;
-                let buf = DeviceBuffer::new(bytes.max(1))?;
-                let zeros = vec![0u8; bytes.max(1)];
-                buf.write_at(0, &zeros)?;
-                Ok(DeviceMemory(Mem::Hip(buf)))
-            }
-        }
-    }
-
-    /// Copies `src` to `dst` at byte `offset`, after the work queued on `stream` so far.
-    pub(crate) fn upload(
+    fn upload(
         &self,
         dst: &DeviceMemory,
         offset: usize,
         src: &[u8],
         stream: StreamHandle,
     ) -> Result<()> {
-        dst.check(offset, src.len())?;
-        match &dst.0 {
-            Mem::Host(h) => {
-                // The emulated device counts what the GPU's copy would make: a wait, a copy.
-                if matches!(self, Gpu::Emu) {
-                    self.finish(stream)?;
-                    count_copy();
-                }
-                // SAFETY: the range lies inside the allocation (checked) and `src` is host
-                // memory of another allocation; no reference into the allocation exists.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_ptr(),
-                        h.ptr.as_ptr().add(offset),
-                        src.len(),
-                    )
-                };
-                Ok(())
-            }
-            Mem::Hip(b) => {
-                self.finish(stream)?;
-                b.write_at(offset, src)
-            }
-        }
+        // What the GPU's copy would cost: a wait, a copy.
+        self.finish(stream)?;
+        count_copy();
+        host_upload(dst, offset, src)
     }
 
-    /// Copies bytes `offset..offset + dst.len()` of `src` into `dst`, after the work queued on
-    /// `stream` so far (a kernel fault surfaces here).
-    pub(crate) fn download(
+    fn download(
         &self,
         src: &DeviceMemory,
         offset: usize,
         dst: &mut [u8],
         stream: StreamHandle,
     ) -> Result<()> {
-        src.check(offset, dst.len())?;
-        match &src.0 {
-            Mem::Host(h) => {
-                if matches!(self, Gpu::Emu) {
-                    self.finish(stream)?;
-                    count_copy();
-                }
-                // SAFETY: the range lies inside the allocation (checked); nothing writes it
-                // during the copy (host-memory backends finish their work before returning).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        h.ptr.as_ptr().add(offset),
-                        dst.as_mut_ptr(),
-                        dst.len(),
-                    )
-                };
-                Ok(())
-            }
-            Mem::Hip(b) => {
-                self.finish(stream)?;
-                b.read_at(offset, dst)
-            }
-        }
+        self.finish(stream)?;
+        count_copy();
+        host_download(src, offset, dst)
     }
 
-    /// Queues a copy of `bytes` bytes from `src` to `dst`, both in this backend's memory.
-    ///
-    /// # Safety
-    /// Both ranges lie in live allocations of this backend until the copy completes, and do not
-    /// overlap.
-    pub(crate) unsafe fn copy(
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize, _stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { host_copy(dst, src, bytes) };
+        Ok(())
+    }
+
+    fn finish(&self, _stream: StreamHandle) -> Result<()> {
+        count_synchronization();
+        Ok(())
+    }
+
+    unsafe fn write_kv(
         &self,
-        dst: u64,
-        src: u64,
-        bytes: usize,
+        p: &hipkv_write_params,
+        layout: &Layout,
         stream: StreamHandle,
     ) -> Result<()> {
-        match self {
-            Gpu::Cpu | Gpu::Emu => {
-                // SAFETY: the caller's contract, in host memory.
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
-                Ok(())
-            }
-            Gpu::Hip(h) => {
-                h.bind()?;
-                // SAFETY: the caller's contract.
-                unsafe { stream.copy_device(dst, src, bytes) }
-            }
-        }
+        // SAFETY: the caller's contract.
+        unsafe { launch_write_kv(self, p, layout, stream) }
     }
 
-    /// Queues kernel `name` over `grid` workgroups of `waves` waves on `stream`.
-    ///
-    /// # Safety
-    /// `params` is the kernel's params struct and every address in it lies in a live allocation
-    /// of this backend until the work completes, large enough for what the kernel reads and
-    /// writes.
-    pub(crate) unsafe fn launch<P: Copy>(
+    unsafe fn attend(
+        &self,
+        p: &hipkv_attn_params,
+        plan: &AttendPlan,
+        layout: &Layout,
+        _rope: Option<&RopeTable>,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { launch_attend(self, p, plan, layout, stream) }
+    }
+
+    unsafe fn copy_blocks(&self, p: &hipkv_copy_params, stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { launch_copy_blocks(self, p, stream) }
+    }
+}
+
+impl Launch for HipGpu {
+    unsafe fn launch<P: Copy>(
         &self,
         name: &str,
         params: &P,
@@ -281,60 +369,107 @@ impl Gpu {
         if grid.contains(&0) {
             return Ok(());
         }
-        let block = [HIPKV_WAVE * waves, 1, 1];
-        match self {
-            Gpu::Cpu => unreachable!("the CPU backend runs Rust kernels"),
-            Gpu::Emu => emu::launch(name, params, grid, block),
-            Gpu::Hip(h) => {
-                h.bind()?;
-                let module = if name.starts_with("hipkv_write") || name == "hipkv_copy_blocks" {
-                    &h.write
-                } else {
-                    &h.attention
-                };
-                let function = module.function(name)?;
-                // SAFETY: the caller's contract.
-                unsafe { module.launch(function, grid, block, params, stream) }
-            }
-        }
+        self.bind()?;
+        let module = if name.starts_with("hipkv_write") || name == "hipkv_copy_blocks" {
+            &self.write
+        } else {
+            &self.attention
+        };
+        let function = module.function(name)?;
+        // SAFETY: the caller's contract.
+        unsafe { module.launch(function, grid, [HIPKV_WAVE * waves, 1, 1], params, stream) }
+    }
+}
+
+impl Engine for HipGpu {
+    fn backend(&self) -> Backend {
+        Backend::Hip
     }
 
-    /// Waits for the work queued on `stream`; a fault in it is the error.
-    pub(crate) fn finish(&self, stream: StreamHandle) -> Result<()> {
-        match self {
-            Gpu::Cpu => Ok(()),
-            Gpu::Emu => {
-                count_synchronization();
-                Ok(())
-            }
-            Gpu::Hip(h) => {
-                h.bind()?;
-                stream.synchronize()
-            }
-        }
+    fn device(&self) -> Option<&Device> {
+        Some(&self.device)
     }
 
-    pub(crate) fn start_timer(&self, stream: StreamHandle) -> Result<Timer> {
-        match self {
-            Gpu::Cpu | Gpu::Emu => Ok(Timer::Wall(Instant::now())),
-            Gpu::Hip(h) => {
-                h.bind()?;
-                let (start, stop) = (Event::new()?, Event::new()?);
-                start.record(stream)?;
-                Ok(Timer::Events(start, stop))
-            }
-        }
+    fn alloc(&self, bytes: usize) -> Result<DeviceMemory> {
+        self.bind()?;
+        let buf = DeviceBuffer::new(bytes.max(1))?;
+        buf.write_at(0, &vec![0u8; bytes.max(1)])?;
+        Ok(DeviceMemory(Mem::Hip(buf)))
     }
 
-    /// Seconds since `timer` started, on the device's clock for `Hip`.
-    pub(crate) fn stop_timer(&self, timer: Timer, stream: StreamHandle) -> Result<f64> {
-        match timer {
-            Timer::Events(start, stop) => {
-                stop.record(stream)?;
-                Ok(f64::from(stop.elapsed_ms_since(&start)?) / 1e3)
-            }
-            Timer::Wall(start) => Ok(start.elapsed().as_secs_f64()),
-        }
+    fn upload(
+        &self,
+        dst: &DeviceMemory,
+        offset: usize,
+        src: &[u8],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        dst.check(offset, src.len())?;
+        let Mem::Hip(b) = &dst.0 else {
+            return Err(Error::Unsupported("host memory on the GPU backend".into()));
+        };
+        self.finish(stream)?;
+        b.write_at(offset, src)
+    }
+
+    fn download(
+        &self,
+        src: &DeviceMemory,
+        offset: usize,
+        dst: &mut [u8],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        src.check(offset, dst.len())?;
+        let Mem::Hip(b) = &src.0 else {
+            return Err(Error::Unsupported("host memory on the GPU backend".into()));
+        };
+        self.finish(stream)?;
+        b.read_at(offset, dst)
+    }
+
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize, stream: StreamHandle) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        unsafe { stream.copy_device(dst, src, bytes) }
+    }
+
+    fn finish(&self, stream: StreamHandle) -> Result<()> {
+        self.bind()?;
+        stream.synchronize()
+    }
+
+    fn start_timer(&self, stream: StreamHandle) -> Result<Timer> {
+        self.bind()?;
+        let (start, stop) = (Event::new()?, Event::new()?);
+        start.record(stream)?;
+        Ok(Timer::Events(start, stop))
+    }
+
+    unsafe fn write_kv(
+        &self,
+        p: &hipkv_write_params,
+        layout: &Layout,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { launch_write_kv(self, p, layout, stream) }
+    }
+
+    unsafe fn attend(
+        &self,
+        p: &hipkv_attn_params,
+        plan: &AttendPlan,
+        layout: &Layout,
+        _rope: Option<&RopeTable>,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { launch_attend(self, p, plan, layout, stream) }
+    }
+
+    unsafe fn copy_blocks(&self, p: &hipkv_copy_params, stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { launch_copy_blocks(self, p, stream) }
     }
 }
 
@@ -345,7 +480,7 @@ impl HipGpu {
         Ok(runtime()?.set_device(self.device.ordinal)?)
     }
 
-    fn open(head_dim: usize) -> Result<HipGpu> {
+    pub(crate) fn open(head_dim: usize) -> Result<HipGpu> {
         let status = HipStatus::probe();
         let device = status
             .usable_device()

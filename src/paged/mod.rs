@@ -29,13 +29,11 @@
 mod layout;
 mod plan;
 
-use std::sync::Mutex;
-
 use crate::abi::{
     HIPKV_DTYPE_BF16, HIPKV_DTYPE_F16, HIPKV_DTYPE_F32, hipkv_attn_params, hipkv_copy_params,
     hipkv_device_error, hipkv_write_params,
 };
-use crate::backend::{Backend, GFX1201_COMPUTE_UNITS, cpu, device};
+use crate::backend::{Backend, Engine, GFX1201_COMPUTE_UNITS, cpu, device, open_engine};
 use crate::error::{Error, Result};
 use crate::hip::{Device, StreamHandle};
 use crate::quant::OutlierThresholds;
@@ -46,7 +44,7 @@ pub use crate::backend::DeviceMemory;
 pub use layout::{BatchLimits, Layout, LayoutSpec};
 pub use plan::AttendPlan;
 
-use device::{Gpu, ONE_WAVE, as_bytes};
+use device::as_bytes;
 
 /// Element type of keys, values, queries and outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -142,7 +140,7 @@ struct Thresholds {
 pub struct PagedCache {
     layout: Layout,
     layers: usize,
-    gpu: Gpu,
+    engine: Box<dyn Engine>,
     /// `max_seqs` slots × `layers` × `layout.state_bytes()`.
     state: DeviceMemory,
     /// One `hipkv_device_error`.
@@ -154,14 +152,12 @@ pub struct PagedCache {
     rope: Option<DeviceMemory>,
     /// The same table on the host, for the CPU backend.
     rope_table: Option<RopeTable>,
-    /// Serializes the CPU backend's use of the error word and counter.
-    cpu_lock: Mutex<()>,
 }
 
 impl std::fmt::Debug for PagedCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PagedCache")
-            .field("backend", &self.gpu.backend())
+            .field("backend", &self.engine.backend())
             .field("layers", &self.layers)
             .field("scheme", &self.layout.scheme().to_string())
             .finish()
@@ -175,7 +171,7 @@ impl PagedCache {
             return Err(Error::Unsupported("layers must be positive".into()));
         }
         let spec = layout.spec();
-        let gpu = Gpu::open(backend, spec.head_dim)?;
+        let engine = open_engine(backend, spec.head_dim)?;
         let state_bytes = (spec.max_seqs as u128)
             .checked_mul(layers as u128 * layout.state_bytes() as u128)
             .filter(|&b| b <= isize::MAX as u128)
@@ -183,9 +179,9 @@ impl PagedCache {
                 bytes: u128::MAX,
                 backend: "any",
             })?;
-        let state = gpu.alloc(state_bytes as usize)?;
-        let error = gpu.alloc(size_of::<hipkv_device_error>())?;
-        let dropped = gpu.alloc(8)?;
+        let state = engine.alloc(state_bytes as usize)?;
+        let error = engine.alloc(size_of::<hipkv_device_error>())?;
+        let dropped = engine.alloc(8)?;
         let rope_table = spec
             .rope
             .filter(|_| spec.scheme.pre_rope)
@@ -193,8 +189,8 @@ impl PagedCache {
         let rope = match &rope_table {
             Some(table) => {
                 let flat = table.flat();
-                let mem = gpu.alloc(size_of_val(flat.as_slice()))?;
-                gpu.upload(&mem, 0, as_bytes(&flat), StreamHandle::DEFAULT)?;
+                let mem = engine.alloc(size_of_val(flat.as_slice()))?;
+                engine.upload(&mem, 0, as_bytes(&flat), StreamHandle::DEFAULT)?;
                 Some(mem)
             }
             None => None,
@@ -202,14 +198,13 @@ impl PagedCache {
         Ok(PagedCache {
             layout,
             layers,
-            gpu,
+            engine,
             state,
             error,
             dropped,
             thresholds: (0..layers).map(|_| None).collect(),
             rope,
             rope_table,
-            cpu_lock: Mutex::new(()),
         })
     }
 
@@ -222,12 +217,12 @@ impl PagedCache {
     }
 
     pub fn backend(&self) -> Backend {
-        self.gpu.backend()
+        self.engine.backend()
     }
 
     /// The GPU, on `Backend::Hip`.
     pub fn device(&self) -> Option<&Device> {
-        self.gpu.device()
+        self.engine.device()
     }
 
     /// Bytes of the state pool hipkv holds: every slot of every layer.
@@ -237,7 +232,7 @@ impl PagedCache {
 
     /// Allocates `bytes` of this backend's memory, zeroed (setup time: it synchronizes).
     pub fn alloc(&self, bytes: usize) -> Result<DeviceMemory> {
-        self.gpu.alloc(bytes)
+        self.engine.alloc(bytes)
     }
 
     /// Copies host bytes into this backend's memory after the work queued on `stream`
@@ -249,7 +244,7 @@ impl PagedCache {
         src: &[u8],
         stream: StreamHandle,
     ) -> Result<()> {
-        self.gpu.upload(dst, offset, src, stream)
+        self.engine.upload(dst, offset, src, stream)
     }
 
     /// Copies this backend's memory into host bytes after the work queued on `stream`.
@@ -260,7 +255,7 @@ impl PagedCache {
         dst: &mut [u8],
         stream: StreamHandle,
     ) -> Result<()> {
-        self.gpu.download(src, offset, dst, stream)
+        self.engine.download(src, offset, dst, stream)
     }
 
     /// Sets a layer's outlier thresholds (`v` exactly when the scheme stores value outliers).
@@ -292,10 +287,10 @@ impl PagedCache {
         }
         let upload = |t: &OutlierThresholds| -> Result<DeviceMemory> {
             let n = h * d * 4;
-            let mem = self.gpu.alloc(2 * n)?;
-            self.gpu
+            let mem = self.engine.alloc(2 * n)?;
+            self.engine
                 .upload(&mem, 0, as_bytes(&t.lo), StreamHandle::DEFAULT)?;
-            self.gpu
+            self.engine
                 .upload(&mem, n, as_bytes(&t.hi), StreamHandle::DEFAULT)?;
             Ok(mem)
         };
@@ -390,27 +385,9 @@ impl PagedCache {
                 outliers_dropped: self.dropped.addr() as *mut u64,
                 error: self.error.addr() as *mut hipkv_device_error,
             };
-            let format = spec.scheme.format(stream_kind);
-            let d = spec.head_dim;
-            match &self.gpu {
-                Gpu::Cpu => {
-                    let _lock = self.cpu_lock.lock().unwrap_or_else(|e| e.into_inner());
-                    // SAFETY: the caller's contract covers every address in `params`.
-                    unsafe { cpu::paged::write_kv(&params, &self.layout) }
-                }
-                gpu => {
-                    let grid = [tokens, spec.kv_heads as u32, 1];
-                    let name = crate::kernels::write_kernel_name(format, d);
-                    // SAFETY: the caller's contract; the state pool, error word, counter and
-                    // thresholds are this cache's, sized by its layout.
-                    unsafe { gpu.launch(&name, &params, grid, ONE_WAVE, stream)? };
-                    if format.is_grouped_by_tokens() {
-                        let name = format!("hipkv_write_residual_d{d}");
-                        // SAFETY: as above.
-                        unsafe { gpu.launch(&name, &params, grid, ONE_WAVE, stream)? };
-                    }
-                }
-            }
+            // SAFETY: the caller's contract; the state pool, error word, counter and
+            // thresholds are this cache's, sized by its layout.
+            unsafe { self.engine.write_kv(&params, &self.layout, stream)? };
         }
         Ok(())
     }
@@ -452,10 +429,10 @@ impl PagedCache {
         stream: StreamHandle,
     ) -> Result<f64> {
         let (plan, params) = self.plan_attend(layer, batch, workspace.limits)?;
-        let timer = self.gpu.start_timer(stream)?;
+        let timer = self.engine.start_timer(stream)?;
         // SAFETY: the caller's contract.
         unsafe { self.run_attend(&plan, &params, cache, workspace, stream)? };
-        self.gpu.stop_timer(timer, stream)
+        self.engine.stop_timer(timer, stream)
     }
 
     /// The launch plan and the kernels' params (without the caller's addresses of cache and
@@ -585,42 +562,11 @@ impl PagedCache {
             partial_sum: at(w.sum),
             ..*params
         };
-        let spec = self.layout.spec();
-        match &self.gpu {
-            Gpu::Cpu => {
-                let _lock = self.cpu_lock.lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: the caller's contract covers every address in `p`.
-                unsafe { cpu::paged::attend(&p, &self.layout, self.rope_table.as_ref()) };
-                Ok(())
-            }
-            gpu => {
-                let kv_heads = spec.kv_heads as u32;
-                let name = crate::kernels::attention_kernel_name(
-                    spec.scheme.k,
-                    spec.scheme.v,
-                    spec.head_dim,
-                );
-                let grid = [p.num_seqs * p.tiles_per_seq, kv_heads, p.splits];
-                // SAFETY: the caller's contract; the workspace parts lie within its
-                // `workspace_bytes`, which the plan's splits respect.
-                unsafe {
-                    gpu.launch(
-                        "hipkv_attn_prep",
-                        &p,
-                        [p.tokens, kv_heads, 1],
-                        ONE_WAVE,
-                        stream,
-                    )?;
-                    gpu.launch(&name, &p, grid, plan.waves as u32, stream)?;
-                    gpu.launch(
-                        "hipkv_attn_combine",
-                        &p,
-                        [p.tokens * spec.q_heads as u32, 1, 1],
-                        ONE_WAVE,
-                        stream,
-                    )
-                }
-            }
+        // SAFETY: the caller's contract; the workspace parts lie within its
+        // `workspace_bytes`, which the plan's splits respect.
+        unsafe {
+            self.engine
+                .attend(&p, plan, &self.layout, self.rope_table.as_ref(), stream)
         }
     }
 
@@ -653,27 +599,8 @@ impl PagedCache {
             block_pairs: pairs as *const i32,
             error: self.error.addr() as *mut hipkv_device_error,
         };
-        match &self.gpu {
-            Gpu::Cpu => {
-                let _lock = self.cpu_lock.lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: the caller's contract.
-                unsafe { cpu::paged::copy_blocks(&params) };
-                Ok(())
-            }
-            gpu => {
-                let chunks = block_bytes.div_ceil(4096) as u32;
-                // SAFETY: the caller's contract.
-                unsafe {
-                    gpu.launch(
-                        "hipkv_copy_blocks",
-                        &params,
-                        [params.pairs, chunks, 1],
-                        ONE_WAVE,
-                        stream,
-                    )
-                }
-            }
-        }
+        // SAFETY: the caller's contract.
+        unsafe { self.engine.copy_blocks(&params, stream) }
     }
 
     /// Copies the state of sequence slot `src` (every layer's) to slot `dst`, for a sequence
@@ -696,7 +623,7 @@ impl PagedCache {
         let base = self.state.addr();
         // SAFETY: two different slots of this cache's state pool, each `bytes` long.
         unsafe {
-            self.gpu.copy(
+            self.engine.copy(
                 base + (dst * bytes) as u64,
                 base + (src * bytes) as u64,
                 bytes,
@@ -709,13 +636,13 @@ impl PagedCache {
     /// kernel met since the last check into an error (and clears it).
     pub fn check(&self, stream: StreamHandle) -> Result<()> {
         let mut word = [0u8; size_of::<hipkv_device_error>()];
-        self.gpu.download(&self.error, 0, &mut word, stream)?;
+        self.engine.download(&self.error, 0, &mut word, stream)?;
         // SAFETY: `hipkv_device_error` is plain integers; any bytes are a valid value.
         let e: hipkv_device_error = unsafe { std::ptr::read_unaligned(word.as_ptr().cast()) };
         if e.what == 0 {
             return Ok(());
         }
-        self.gpu.upload(
+        self.engine.upload(
             &self.error,
             0,
             &[0u8; size_of::<hipkv_device_error>()],
@@ -727,9 +654,9 @@ impl PagedCache {
     /// Outliers dropped for lack of slots since the last call (waits for `stream`).
     pub fn take_outliers_dropped(&self, stream: StreamHandle) -> Result<u64> {
         let mut bytes = [0u8; 8];
-        self.gpu.download(&self.dropped, 0, &mut bytes, stream)?;
+        self.engine.download(&self.dropped, 0, &mut bytes, stream)?;
         if bytes != [0; 8] {
-            self.gpu.upload(&self.dropped, 0, &[0; 8], stream)?;
+            self.engine.upload(&self.dropped, 0, &[0; 8], stream)?;
         }
         Ok(u64::from_le_bytes(bytes))
     }
@@ -766,7 +693,7 @@ impl PagedCache {
             });
         }
         let mut host = vec![0u8; self.layout.cache_bytes()];
-        self.gpu
+        self.engine
             .download(cache, 0, &mut host, StreamHandle::DEFAULT)?;
         seqs.iter()
             .map(|&(blocks, slot, len)| self.dequantize(layer, &host, blocks, slot, len))
@@ -838,7 +765,7 @@ impl PagedCache {
         let per_layer = self.layout.state_bytes();
         let mut out = vec![0u8; per_layer];
         let at = (slot * self.layers + layer) * per_layer;
-        self.gpu
+        self.engine
             .download(&self.state, at, &mut out, StreamHandle::DEFAULT)?;
         Ok(out)
     }
@@ -855,7 +782,7 @@ impl PagedCache {
             });
         }
         let at = (slot * self.layers + layer) * per_layer;
-        self.gpu
+        self.engine
             .upload(&self.state, at, bytes, StreamHandle::DEFAULT)
     }
 }

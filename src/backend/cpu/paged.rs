@@ -17,7 +17,86 @@ use crate::quant::{self, put_f16};
 use crate::rope::RopeTable;
 use crate::scheme::{Format, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Stream, StreamLayout};
 
+use super::super::device::{host_alloc, host_copy, host_download, host_upload};
+use super::super::{Backend, DeviceMemory, Engine};
 use super::{CacheView, ChunkQuery, PagedSeq};
+use crate::error::Result;
+use crate::hip::StreamHandle;
+use crate::paged::AttendPlan;
+
+/// `Backend::Cpu`: host memory, and the paged calls run here by the Rust kernels, done when they
+/// return. A lock serializes the calls' use of the error word and the outlier counter.
+#[derive(Default)]
+pub(crate) struct CpuEngine {
+    lock: std::sync::Mutex<()>,
+}
+
+impl CpuEngine {
+    fn serialized<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        f()
+    }
+}
+
+impl Engine for CpuEngine {
+    fn backend(&self) -> Backend {
+        Backend::Cpu
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DeviceMemory> {
+        host_alloc(bytes, "cpu")
+    }
+
+    fn upload(&self, dst: &DeviceMemory, offset: usize, src: &[u8], _: StreamHandle) -> Result<()> {
+        host_upload(dst, offset, src)
+    }
+
+    fn download(
+        &self,
+        src: &DeviceMemory,
+        offset: usize,
+        dst: &mut [u8],
+        _: StreamHandle,
+    ) -> Result<()> {
+        host_download(src, offset, dst)
+    }
+
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize, _: StreamHandle) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { host_copy(dst, src, bytes) };
+        Ok(())
+    }
+
+    unsafe fn write_kv(
+        &self,
+        p: &hipkv_write_params,
+        layout: &Layout,
+        _: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract covers every address in `p`.
+        self.serialized(|| unsafe { write_kv(p, layout) });
+        Ok(())
+    }
+
+    unsafe fn attend(
+        &self,
+        p: &hipkv_attn_params,
+        _: &AttendPlan,
+        layout: &Layout,
+        rope: Option<&RopeTable>,
+        _: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: as above.
+        self.serialized(|| unsafe { attend(p, layout, rope) });
+        Ok(())
+    }
+
+    unsafe fn copy_blocks(&self, p: &hipkv_copy_params, _: StreamHandle) -> Result<()> {
+        // SAFETY: as above.
+        self.serialized(|| unsafe { copy_blocks(p) });
+        Ok(())
+    }
+}
 
 /// Records the first bad index since the last check, as the kernels' `report_bad_index`.
 ///
@@ -129,7 +208,7 @@ fn locate(
 /// # Safety
 /// Every address in `p` is a host address of what its comment in `hipkv_abi.h` states, alive
 /// and reached through no other reference during the call.
-pub(crate) unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
+unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
     let g = &p.g;
     let n = p.tokens as usize;
     let (heads, d, bt) = (
@@ -305,7 +384,7 @@ fn store_outliers(
 ///
 /// # Safety
 /// As [`write_kv`].
-pub(crate) unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable>) {
+unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable>) {
     let g = &p.g;
     let spec = layout.spec();
     let (n_seqs, tokens) = (p.num_seqs as usize, p.tokens as usize);
@@ -411,7 +490,7 @@ pub(crate) unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option
 ///
 /// # Safety
 /// As [`write_kv`].
-pub(crate) unsafe fn copy_blocks(p: &hipkv_copy_params) {
+unsafe fn copy_blocks(p: &hipkv_copy_params) {
     let bytes = p.block_bytes as usize;
     // SAFETY: the caller's contract.
     let pairs = unsafe { slice(p.block_pairs, 2 * p.pairs as usize) };
