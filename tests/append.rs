@@ -1,4 +1,4 @@
-//! Differential tests of the append kernels (`hip/quantize.hip`), run by the SIMT emulator: a
+//! Differential tests of the write kernels (`hip/write.hip`), run by the SIMT emulator: a
 //! cache on `Backend::Emu` must store exactly the bytes the CPU reference stores, for every
 //! format, head_dim, channel group and page size, with sinks, outliers (overflowing their slots
 //! too), RoPE before and after quantization, and appends that start, fill and cross pages.

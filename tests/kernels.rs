@@ -1,5 +1,5 @@
 //! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`) on
-//! a cache the append kernels filled, against the naive f64 reference over the same cache bytes:
+//! a cache the write kernels filled, against the naive f64 reference over the same cache bytes:
 //! every key × value format pair, head_dim 64/128/256, GQA 1–16, empty and partial pages, sinks,
 //! outliers, RoPE before and after quantization, long contexts with many splits and batches of
 //! sequences.
@@ -27,7 +27,7 @@ fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
     cfg.sequences = lens.len();
     let mut rng = Rng::new(seed);
     let mut cache = KvCache::new(cfg).unwrap();
-    // The append kernels store the tokens (tests/append.rs checks their bytes), then the
+    // The write kernels store the tokens (tests/append.rs checks their bytes), then the
     // attention kernels read them: the device path end to end.
     cache.set_backend(Backend::Emu).unwrap();
     for (s, &len) in lens.iter().enumerate() {

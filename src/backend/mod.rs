@@ -129,13 +129,12 @@ pub enum Backend {
     /// Rust kernels on every core: the reference engine.
     #[default]
     Cpu,
-    /// The device-resident cache of the `Hip` backend with host memory standing in for device
-    /// memory and the HIP kernels of `hip/` (append and attention) run by the SIMT emulator:
-    /// the GPU's code path up to the runtime calls. Attention is decode only (one new token per
-    /// query); slow, for tests.
+    /// The `Hip` backend's code path with host memory standing in for device memory and the
+    /// HIP kernels of `hip/` (write and attention) run by the SIMT emulator: everything up to
+    /// the runtime calls. Slow, for tests.
     Emu,
-    /// The cache in GPU memory, the HIP kernels launched on a stream of the first GPU whose
-    /// arch this build has kernels for. Attention is decode only (one new token per query).
+    /// The cache in GPU memory, the HIP kernels queued on a stream of the first GPU whose arch
+    /// this build has kernels for.
     Hip,
 }
 

@@ -231,7 +231,7 @@ pub fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
-/// The f16 bits of each value, rounded to nearest (what the append kernels take).
+/// The f16 bits of each value, rounded to nearest (what the write kernels store).
 pub fn f16_bits(x: &[f32]) -> Vec<u16> {
     use half::slice::HalfFloatSliceExt;
     let mut halves = vec![f16::ZERO; x.len()];
