@@ -17,7 +17,9 @@
 // Per-token scales are applied once per token and group, not per element: q8/q8_0 keys scale the
 // dot product, per-token low-bit keys use the prepared per-group query sums for the minimum
 // (x = min + s·q  =>  q·x = s·(q·codes) + min·Σq); values fold the scale into the weight and sum
-// the minimum separately. Sparse outliers are added as corrections `exact − dense`.
+// the minimum separately. Sparse outliers are added as corrections `exact − dense`. With a value
+// window (KIVI's residual), the blocks holding any of a sequence's last R positions read their
+// values f16 from the slot state's window instead of the block (keys still from the block).
 #include "hipkv_device.h"
 #include "formats.h"
 
@@ -481,6 +483,17 @@ HIPKV_DEV const uint16_t *residual_rows(const hipkv_paged_geometry &g, const Seq
            (size_t)head * g.block_tokens * g.head_dim;
 }
 
+// The f16 value rows of a block at position `pos0` that are not in the block: in the value
+// window, whose W = R + block_tokens rows hold a block's positions in consecutive rows (both
+// are multiples of the block), or else the residual window of the open block.
+HIPKV_DEV const uint16_t *value_rows_f16(const hipkv_paged_geometry &g, const Sequence &sq,
+                                         uint32_t head, uint32_t pos0, bool window) {
+    const uint32_t rows = g.value_window + g.block_tokens;
+    const uint32_t at = window ? g.window_v + (head * rows + pos0 % rows) * g.head_dim * 2
+                               : g.residual_v + head * g.block_tokens * g.head_dim * 2;
+    return reinterpret_cast<const uint16_t *>(sq.state + at);
+}
+
 template <int KF, int VF, int D>
 HIPKV_DEV void attention(const hipkv_attn_params &p) {
     __shared__ float weights[HIPKV_MAX_WAVES][kRows<D>][HIPKV_WAVE];
@@ -513,6 +526,11 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
                         (size_t)head * p.tokens * gqa);
     w.out = ((size_t)head * p.splits + split) * p.tokens * gqa + first -
             (size_t)head * p.tokens * gqa;
+#if defined(__HIP_DEVICE_COMPILE__)
+    // In vector registers: every address made from it is a lane's own, and kept in scalar ones
+    // through the block loop it would take two the loop cannot spare.
+    asm volatile("" : "+v"(w.out));
+#endif
 
     RowState<D> st;
     Acc<D> acc;
@@ -550,6 +568,15 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         report_bad_index(p.error, HIPKV_BAD_BLOCK, HIPKV_CHECK_ATTEND, seq, sq.blocks[b],
                          g.num_blocks);
     }
+    // The slot state's address in vector registers from here on: the block loop reads it only
+    // for the residual and value windows, and has no scalar registers to spare.
+    sq.state = vector_ptr(sq.state);
+    // The blocks holding any of the last R positions are in the value window (R + block_tokens
+    // rows, so they all fit): from this position on.
+    const uint32_t window_from =
+        g.value_window == 0 ? ~0u
+        : sq.len > g.value_window ? (sq.len - g.value_window) / bt * bt
+                                  : 0;
     const uint8_t *head_blocks = p.cache + (size_t)head * g.head_block_bytes;
     const uint32_t stop = bad ? begin : end;
     HIPKV_ROLLED
@@ -565,12 +592,13 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         const bool k_open = g.k.residual && open, v_open = g.v.residual && open;
         if constexpr (format_is_chan(KF))
             if (!k_open && !g.pre_rope) fold_chan_query<D>(p, w, block + g.k.params);
+        const bool v_window = pos0 >= window_from;
         attend_block<KF, VF, D>(
             p, k_open ? f16_stream(residual_rows(g, sq, head, g.residual_k), D)
                       : block_stream(block, g.k),
-            v_open ? f16_stream(residual_rows(g, sq, head, g.residual_v), D)
-                   : block_stream(block, g.v),
-            k_open, v_open, t_begin, t_end, pos0, w, st, acc, wave_weights);
+            v_window || v_open ? f16_stream(value_rows_f16(g, sq, head, pos0, v_window), D)
+                               : block_stream(block, g.v),
+            k_open, v_open || v_window, t_begin, t_end, pos0, w, st, acc, wave_weights);
     }
 
     // Per-channel keys: the last block's folded query, in these slots, has been read.

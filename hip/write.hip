@@ -12,7 +12,10 @@
 //                   every row, per-channel min/max over its rows (sink positions left out; older
 //                   rows from the residual window, this batch's from the input), then codes.
 //                   `hipkv_write_residual_d<D>` stores the rows of blocks left open in the
-//                   residual window, launched after.
+//                   residual window, launched after;
+//   value window:   values also go f16 to the slot state's window row `pos % W` (W = R +
+//                   block_tokens), unless the batch holds position pos + W of the sequence
+//                   (whose row takes the slot).
 // Every index a server passed is checked before anything is written: a token that fails
 // writes nothing and is reported in the sticky error word.
 #include "hipkv_device.h"
@@ -190,6 +193,26 @@ HIPKV_DEV Row block_row(const hipkv_write_params &p, const Target &target, uint3
     r.dtype = HIPKV_DTYPE_F16;
     r.f16 = residual_rows(p, target.state, head) + (size_t)t * p.g.head_dim;
     return r;
+}
+
+// The value window (KIVI's residual of R = value_window positions): W = R + block_tokens rows,
+// enough for every position of the blocks that hold the last R. The row of batch token `token`
+// goes f16 to window row pos % W, unless the token W places later in the batch holds position
+// pos + W of the same slot and so takes that row (the batch lists a sequence's tokens in
+// order): no two waves of a launch write one window row.
+template <int D>
+HIPKV_DEV void write_window(const hipkv_write_params &p, const Target &target, uint32_t token,
+                            uint32_t head) {
+    const uint32_t rows = p.g.value_window + p.g.block_tokens;
+    const uint32_t j = token + rows;
+    if (j < p.tokens && (uint32_t)p.seq_slots[j] == target.seq_slot &&
+        (uint32_t)p.positions[j] == target.pos + rows)
+        return;
+    const Row src = input_row(p, token, head);
+    uint16_t *dst = reinterpret_cast<uint16_t *>(target.state + p.g.window_v) +
+                    ((size_t)head * rows + target.pos % rows) * D;
+    for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE)
+        dst[c] = float_to_half(load_input(src.x, src.dtype, c));
 }
 
 // Clips the lane's channels to the head's outlier thresholds.
@@ -378,6 +401,7 @@ HIPKV_DEV void write(const hipkv_write_params &p) {
             for (int i = 0; i < N; ++i) dst[c0 + i] = float_to_half(x[i]);
         return;
     }
+    if (p.stream == 1 && p.g.value_window != 0) write_window<D>(p, target, token, head);
     uint8_t *block = p.cache + (size_t)target.block * p.g.block_bytes +
                      (size_t)head * p.g.head_block_bytes;
     if constexpr (format_is_chan(F)) {

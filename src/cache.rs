@@ -785,8 +785,8 @@ impl KvCache {
     }
 
     /// Everything stored for `seq` in `layer`, as bytes in a canonical order: its blocks in
-    /// block-list order, the sink rows it holds, then the residual-window rows that hold tokens
-    /// (keys, then values). Two caches that stored the same tokens the same way return the same
+    /// block-list order, the sink rows it holds, the residual-window rows that hold tokens
+    /// (keys, then values), then the value-window rows of its last positions, oldest first. Two caches that stored the same tokens the same way return the same
     /// bytes, whichever blocks they were given: tests compare backends with it.
     pub fn stored_bytes(&self, layer: usize, seq: usize) -> Result<Vec<u8>> {
         self.check_layer_seq(layer, seq)?;
@@ -825,6 +825,18 @@ impl KvCache {
                 out.extend_from_slice(
                     &state[at + (head * g + first) * row..][..(open - first) * row],
                 );
+            }
+        }
+        let scheme = &self.config.scheme;
+        let rows = scheme.window_rows();
+        if rows > 0 {
+            // The window's rows of the blocks holding the last R positions.
+            let first = (s.len.saturating_sub(scheme.value_window) / g * g).max(sinks);
+            let at = layout.window_offset();
+            for head in 0..h {
+                for pos in first..s.len {
+                    out.extend_from_slice(&state[at + (head * rows + pos % rows) * row..][..row]);
+                }
             }
         }
         Ok(out)

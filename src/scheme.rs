@@ -1,9 +1,10 @@
 //! KV formats, schemes and the memory math: the single Rust definition of every byte layout.
 //!
 //! A [`Scheme`] picks a [`Format`] for keys and one for values independently, plus the options
-//! that change what is stored: the token group (page) size, f16 attention sinks, pre-RoPE keys and
-//! the dense-and-sparse outlier store. Schemes parse from and print to strings such as `kivi2`,
-//! `q8_0` or `k=q2_chan,v=q4_tok@64,g=64,sinks=4,pre_rope,outliers`.
+//! that change what is stored: the token group (page) size, f16 attention sinks, KIVI's f16 window
+//! of the most recent values, pre-RoPE keys and the dense-and-sparse outlier store. Schemes parse
+//! from and print to strings such as `kivi2`, `q8_0` or
+//! `k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,outliers`.
 //!
 //! Storage unit: a *page* holds `group_tokens` consecutive tokens of one layer for every KV head.
 //! Inside a page each head owns one contiguous [`HeadLayout`] block: the K stream then the V stream,
@@ -33,6 +34,10 @@ pub const CHANNEL_GROUPS: [usize; 3] = [32, 64, 128];
 pub const OUTLIER_SLOT_BYTES: usize = 4;
 /// Bytes of one per-token outlier count.
 pub const OUTLIER_COUNT_BYTES: usize = 2;
+/// Value window lengths (`rv=`) a scheme may use: 0 (none) or a multiple of its page size.
+pub const VALUE_WINDOWS: [usize; 5] = [0, 32, 64, 128, 256];
+/// KIVI's default residual length, the value window of the `kivi*` presets.
+pub const KIVI_VALUE_WINDOW: usize = 128;
 
 /// Bit width of a low-bit asymmetric format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -289,6 +294,10 @@ pub struct Scheme {
     pub group_tokens: usize,
     /// The first `sinks` tokens of a sequence are kept f16 (attention sinks).
     pub sinks: usize,
+    /// KIVI's residual: the values of a sequence's last `value_window` positions (and of the
+    /// rest of the page holding the oldest of them) are also kept f16, per sequence, and
+    /// attention reads those instead of the quantized rows (0: none).
+    pub value_window: usize,
     /// Keys are stored before RoPE and rotated inside attention (needs RoPE in the cache config).
     pub pre_rope: bool,
     /// Dense-and-sparse outlier store.
@@ -304,13 +313,15 @@ impl Scheme {
         Scheme::new(format, format)
     }
 
-    /// Keys and values in the given formats, default options (G = 32, no sinks, no outliers).
+    /// Keys and values in the given formats, default options (G = 32, no sinks, no value
+    /// window, no outliers).
     pub const fn new(k: Format, v: Format) -> Scheme {
         Scheme {
             k,
             v,
             group_tokens: 32,
             sinks: 0,
+            value_window: 0,
             pre_rope: false,
             outliers: None,
         }
@@ -333,10 +344,16 @@ impl Scheme {
             "q8_0" => Scheme::uniform(Format::Q8_0),
             "q4_tok" => Scheme::uniform(tok(LowBits::Four)),
             "q2_tok" => Scheme::uniform(tok(LowBits::Two)),
-            "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)),
-            "kivi2" => Scheme::new(chan(LowBits::Two), tok(LowBits::Two)),
+            "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)).kivi_window(),
+            "kivi2" => Scheme::new(chan(LowBits::Two), tok(LowBits::Two)).kivi_window(),
             _ => return None,
         })
+    }
+
+    /// KIVI as published keeps the most recent values f16 as well as the open key page.
+    const fn kivi_window(mut self) -> Scheme {
+        self.value_window = KIVI_VALUE_WINDOW;
+        self
     }
 
     /// Checks the scheme against a head dimension (and whether the cache applies RoPE).
@@ -354,6 +371,21 @@ impl Scheme {
         }
         self.k.validate(head_dim)?;
         self.v.validate(head_dim)?;
+        if self.value_window != 0 {
+            if !VALUE_WINDOWS.contains(&self.value_window)
+                || !self.value_window.is_multiple_of(self.group_tokens)
+            {
+                return Err(Error::Unsupported(format!(
+                    "value window rv={}: expected one of {VALUE_WINDOWS:?}, a multiple of g={}",
+                    self.value_window, self.group_tokens
+                )));
+            }
+            if self.v == Format::F16 {
+                return Err(Error::Unsupported(
+                    "a value window (rv=) with f16 values: they are f16 already".into(),
+                ));
+            }
+        }
         if self.pre_rope && !has_rope {
             return Err(Error::Unsupported(
                 "pre_rope needs RoPE configured in the cache".into(),
@@ -422,7 +454,7 @@ impl Scheme {
 
     /// Exact storage of one sequence of `capacity` tokens for one KV head, as the cache allocates
     /// it: sinks, pages (with parameters and outlier slots; the sinks' rows in them included,
-    /// never read) and the residual window.
+    /// never read), the residual window and the value window.
     pub fn memory(&self, head_dim: usize, capacity: usize) -> Memory {
         let f16_row = head_dim * 2;
         let sinks = self.sinks.min(capacity);
@@ -440,11 +472,22 @@ impl Scheme {
             sink_bytes: 2 * sinks * f16_row,
             page_bytes: pages * layout.bytes,
             residual_bytes: residual(self.k) + residual(self.v),
+            window_bytes: self.window_rows() * f16_row,
+        }
+    }
+
+    /// Rows of the f16 value window of one sequence and KV head: `rv` plus one page, so that
+    /// every position of the pages holding the last `rv` fits (0 without a window).
+    pub fn window_rows(&self) -> usize {
+        if self.value_window == 0 {
+            0
+        } else {
+            self.value_window + self.group_tokens
         }
     }
 
     /// Bytes read by attention per cached token per KV head, once the pages are full (K and V
-    /// with their parameters and outlier stores, without sinks or residual window).
+    /// with their parameters and outlier stores, without sinks, residual or value window).
     pub fn bytes_per_token(&self, head_dim: usize) -> f64 {
         self.head_layout(head_dim).bytes as f64 / self.group_tokens as f64
     }
@@ -452,18 +495,30 @@ impl Scheme {
 
 impl fmt::Display for Scheme {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let base = Scheme::new(self.k, self.v);
-        let name = PRESETS
-            .iter()
-            .find(|p| Scheme::preset(p) == Some(base))
-            .map(|p| p.to_string())
-            .unwrap_or_else(|| format!("k={},v={}", self.k, self.v));
-        f.write_str(&name)?;
+        // The preset of these formats, whose options are the defaults not printed.
+        let preset = PRESETS.iter().find_map(|p| {
+            Scheme::preset(p)
+                .filter(|s| (s.k, s.v) == (self.k, self.v))
+                .map(|s| (p, s))
+        });
+        let defaults = match preset {
+            Some((name, s)) => {
+                f.write_str(name)?;
+                s
+            }
+            None => {
+                write!(f, "k={},v={}", self.k, self.v)?;
+                Scheme::new(self.k, self.v)
+            }
+        };
         if self.group_tokens != 32 {
             write!(f, ",g={}", self.group_tokens)?;
         }
-        if self.sinks != 0 {
+        if self.sinks != defaults.sinks {
             write!(f, ",sinks={}", self.sinks)?;
+        }
+        if self.value_window != defaults.value_window {
+            write!(f, ",rv={}", self.value_window)?;
         }
         if self.pre_rope {
             f.write_str(",pre_rope")?;
@@ -489,7 +544,8 @@ impl FromStr for Scheme {
     type Err = Error;
 
     /// Parses `preset[,option…]` or `k=FMT,v=FMT[,option…]`. Options: `g=32|64`, `sinks=N`,
-    /// `pre_rope`, `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`.
+    /// `rv=N` (value window; the `kivi*` presets' default is 128, others' 0), `pre_rope`,
+    /// `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`.
     fn from_str(s: &str) -> Result<Self> {
         let mut k = None;
         let mut v = None;
@@ -497,6 +553,7 @@ impl FromStr for Scheme {
         let mut outliers: Option<Outliers> = None;
         let mut outlier_frac = None;
         let mut outlier_slots = None;
+        let mut value_window = None;
         let num = |key: &str, val: &str| -> Result<usize> {
             val.parse()
                 .map_err(|_| Error::ParseScheme(format!("`{key}={val}`: expected an integer")))
@@ -511,11 +568,14 @@ impl FromStr for Scheme {
                     let p = Scheme::preset(name).unwrap();
                     k = Some(p.k);
                     v = Some(p.v);
+                    scheme.sinks = p.sinks;
+                    scheme.value_window = p.value_window;
                 }
                 ("k", Some(f)) => k = Some(f.parse()?),
                 ("v", Some(f)) => v = Some(f.parse()?),
                 ("g", Some(n)) => scheme.group_tokens = num(key, n)?,
                 ("sinks", Some(n)) => scheme.sinks = num(key, n)?,
+                ("rv", Some(n)) => value_window = Some(num(key, n)?),
                 ("pre_rope", None) => scheme.pre_rope = true,
                 ("outliers", None | Some("k")) => outliers = Some(Outliers::default()),
                 ("outliers", Some("kv")) => {
@@ -546,6 +606,15 @@ impl FromStr for Scheme {
         };
         scheme.k = k;
         scheme.v = v;
+        if let Some(n) = value_window {
+            scheme.value_window = n;
+        }
+        if !VALUE_WINDOWS.contains(&scheme.value_window) {
+            return Err(Error::ParseScheme(format!(
+                "rv={}: expected one of {VALUE_WINDOWS:?}",
+                scheme.value_window
+            )));
+        }
         if !GROUP_TOKENS.contains(&scheme.group_tokens) {
             return Err(Error::ParseScheme(format!(
                 "g={}: expected one of {GROUP_TOKENS:?}",
@@ -660,11 +729,13 @@ pub struct Memory {
     pub sink_bytes: usize,
     pub page_bytes: usize,
     pub residual_bytes: usize,
+    /// The f16 value window (`rv=`), allocated whole whatever the sequence's length.
+    pub window_bytes: usize,
 }
 
 impl Memory {
     pub fn total(&self) -> usize {
-        self.sink_bytes + self.page_bytes + self.residual_bytes
+        self.sink_bytes + self.page_bytes + self.residual_bytes + self.window_bytes
     }
 
     /// Bytes per token, everything included, amortised over the capacity.
@@ -689,6 +760,9 @@ mod tests {
     fn options_round_trip_through_strings() {
         for text in [
             "kivi2,g=64,sinks=4,pre_rope,outliers",
+            "kivi4,rv=0",
+            "kivi2,g=64,rv=64",
+            "q4_tok,rv=32",
             "k=q4_chan,v=q8_0,outliers=kv,outlier_frac=0.02,outlier_slots=3",
             "k=q2_tok@head,v=q4_tok@128",
             "k=f16,v=q2_chan,sinks=1",
@@ -697,8 +771,12 @@ mod tests {
             assert_eq!(s.to_string(), text);
             assert_eq!(s.to_string().parse::<Scheme>().unwrap(), s);
         }
+        // The explicit form takes no preset's options: KIVI's value window is the preset's.
         let explicit: Scheme = "k=q2_chan,v=q2_tok@32".parse().unwrap();
-        assert_eq!(explicit.to_string(), "kivi2");
+        assert_eq!(explicit.to_string(), "kivi2,rv=0");
+        let kivi: Scheme = "k=q2_chan,v=q2_tok@32,rv=128".parse().unwrap();
+        assert_eq!(kivi.to_string(), "kivi2");
+        assert_eq!(kivi, "kivi2".parse().unwrap());
     }
 
     #[test]
@@ -712,6 +790,8 @@ mod tests {
             "k=q8@32,v=f16",
             "q8,sinks=-1",
             "q8,q8",
+            "kivi2,rv=100",
+            "kivi2,rv=-1",
         ] {
             assert!(
                 matches!(text.parse::<Scheme>(), Err(Error::ParseScheme(_))),
@@ -773,5 +853,20 @@ mod tests {
         assert_eq!(m.sink_bytes, 2 * 4 * 128);
         assert_eq!(m.page_bytes, 4 * s.head_layout(64).bytes);
         assert_eq!(m.residual_bytes, 32 * 128);
+        assert_eq!(m.window_bytes, (KIVI_VALUE_WINDOW + 32) * 128);
+        assert_eq!(
+            m.total(),
+            m.sink_bytes + m.page_bytes + m.residual_bytes + m.window_bytes
+        );
+    }
+
+    #[test]
+    fn value_windows_are_whole_pages_of_quantized_values() {
+        let check = |text: &str| text.parse::<Scheme>().unwrap().validate(64, false);
+        assert!(check("kivi2,g=64,rv=128").is_ok());
+        assert!(check("q4_tok,rv=32").is_ok());
+        for bad in ["kivi2,g=64,rv=32", "f16,rv=32", "k=q8,v=f16,rv=64"] {
+            assert!(matches!(check(bad), Err(Error::Unsupported(_))), "{bad}");
+        }
     }
 }

@@ -141,6 +141,11 @@ fn model(
                         y[at(first + t) + usize::from(o.channel)] = o.value;
                     }
                 }
+                // A block holding any of the last `rv` positions reads its values f16 from the
+                // value window (quantized into the block all the same, outliers counted).
+                if stream == Stream::V && s.value_window > 0 && block + g + s.value_window > len {
+                    y[at(first)..at(end - 1) + d].copy_from_slice(&x[at(first)..at(end - 1) + d]);
+                }
             }
         }
         if let (Some(t), true, Stream::K) = (&table, s.pre_rope, stream) {
@@ -229,11 +234,12 @@ fn read_back_matches_the_reference_quantizers() {
     }
 }
 
-/// kivi2 (G = 32) after 40 tokens: the last 8 keys are the open page, f16 in the residual
-/// window, so they read back exactly; tokens 0..32 are a quantized 2-bit group.
+/// kivi2 (G = 32, without its value window) after 40 tokens: the last 8 keys are the open page,
+/// f16 in the residual window, so they read back exactly; tokens 0..32 are a quantized 2-bit
+/// group.
 #[test]
 fn residual_window_keeps_the_open_page_exact() {
-    let cfg = config("kivi2", 2, 1, 64, 64);
+    let cfg = config("kivi2,rv=0", 2, 1, 64, 64);
     let mut cache = KvCache::new(cfg).unwrap();
     let mut rng = Rng::new(2);
     let (k, v) = kv(&mut rng, &cfg, 64);
@@ -267,11 +273,34 @@ fn residual_window_keeps_the_open_page_exact() {
     assert_matches_model(&cache, &k, &v, [None, None], "kivi2 64 tokens");
 }
 
+/// kivi2's value window (R = 128, G = 32): after 200 tokens, the values of the blocks holding
+/// the last 128 positions (64..200) read back exactly, the older ones as 2-bit codes.
+#[test]
+fn value_window_keeps_the_last_values_exact() {
+    let cfg = config("kivi2", 2, 1, 64, 200);
+    let mut cache = KvCache::new(cfg).unwrap();
+    let mut rng = Rng::new(4);
+    let (k, v) = kv(&mut rng, &cfg, 200);
+    let w = 2 * 64;
+    append_chunks(&mut cache, 0, 0, &k, &v, 23);
+    let (_, rv) = cache.read_back(0, 0).unwrap();
+    assert_eq!(bits(&rv[64 * w..]), bits(&rounded(&v[64 * w..])));
+    for pos in 0..64 {
+        let r = pos * w..(pos + 1) * w;
+        assert_ne!(
+            bits(&rv[r.clone()]),
+            bits(&rounded(&v[r])),
+            "position {pos}"
+        );
+    }
+    assert_matches_model(&cache, &k, &v, [None, None], "kivi2 200 tokens");
+}
+
 /// The first `sinks` tokens stay f16 in every format; the tokens after them do not.
 #[test]
 fn sinks_stay_exact() {
     for (name, sinks) in [
-        ("kivi2,sinks=4", 4),
+        ("kivi2,sinks=4,rv=0", 4),
         ("q2_tok,sinks=5", 5),
         ("q8_0,sinks=33", 33),
     ] {
@@ -1022,10 +1051,11 @@ fn formats_doc_numbers_match_the_code() {
     let s: Scheme = "kivi2,sinks=4".parse().unwrap();
     let m = s.memory(128, 4096);
     let line = format!(
-        "sinks {} + pages {} + residual {} = {} bytes ({} per token)",
+        "sinks {} + pages {} + residual {} + value window {} = {} bytes ({} per token)",
         m.sink_bytes,
         m.page_bytes,
         m.residual_bytes,
+        m.window_bytes,
         m.total(),
         m.bytes_per_token()
     );

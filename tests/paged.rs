@@ -46,8 +46,10 @@ fn mixed_batches_of_decodes_and_prefill_chunks_match_the_reference() {
         ("kivi2,sinks=4", 4, 64, DType::F16),
         ("k=q4_tok,v=q8_0", 8, 128, DType::BF16),
         ("f16", 1, 64, DType::F32),
-        ("kivi4,g=64", 2, 256, DType::F16),
+        ("kivi4,g=64,rv=64", 2, 256, DType::F16),
         ("q2_tok,pre_rope,sinks=2", 4, 64, DType::F32),
+        ("kivi2,rv=32,sinks=3", 2, 64, DType::F32),
+        ("kivi2,rv=0", 4, 64, DType::BF16),
     ];
     for backend in backends() {
         for (scheme, gqa, d, dtype) in cases {
@@ -352,4 +354,46 @@ fn write_kv_and_attend_make_no_host_traffic() {
         traffic().synchronizations > before.synchronizations,
         "check waits (and is counted)"
     );
+}
+
+/// KIVI's value window: after a prefill longer than the window and decodes that wrap it, the
+/// values of the blocks holding the last R positions read back as the f16 of what was written,
+/// bit for bit, and older ones as their 2-bit codes; the sinks stay f16 and outside the window.
+#[test]
+fn the_value_window_holds_the_last_values_exactly() {
+    for backend in backends() {
+        let what = format!("{backend:?}");
+        let layout = layout("kivi2,rv=64,sinks=2", 1, 64);
+        let rig = Rig::new(layout, 1, backend, 160);
+        let mut rng = Rng::new(21);
+        let mut server = Server::new(&layout, &mut rng);
+        server.seqs.push((2, Vec::new(), 0));
+        let (h, d) = (2, 64);
+        let mut written = Vec::new();
+        for n in [150, 1, 1, 30] {
+            let (slots, seqs, positions) = server.grow(0, n);
+            let v = rng.normals(n * h * d);
+            rig.write(0, &v, &v, DType::F32, &slots, &seqs, &positions)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            written.extend(v);
+        }
+        let (_, blocks, len) = &server.seqs[0];
+        let (_, read) = rig
+            .paged
+            .read_back(0, &rig.caches[0], blocks, 2, *len)
+            .unwrap();
+        let row = h * d;
+        let exact = |pos: usize| {
+            (0..row).all(|i| {
+                let x = written[pos * row + i];
+                read[pos * row + i] == half::f16::from_f32(x).to_f32()
+            })
+        };
+        // 182 tokens: the last 64 start in the block of positions 96..127.
+        assert_eq!(*len, 182);
+        for pos in 0..*len {
+            let want = !(2..96).contains(&pos);
+            assert_eq!(exact(pos), want, "{what}: position {pos} of {len}");
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! A seeded sweep of random configurations through the paged API on the emulated device (the
 //! HIP kernels' own code): any key format with any value format, sinks, 32- or 64-token blocks,
-//! outlier stores, pre-RoPE keys, head_dim 64/128/256, GQA 1 to 16, f16/bf16/f32, batches of
+//! value windows, outlier stores, pre-RoPE keys, head_dim 64/128/256, GQA 1 to 16, f16/bf16/f32, batches of
 //! decodes and prefill chunks of random lengths over sequences of random lengths, forks. Each
 //! output is compared with a naive attention over the sequence's stored tokens.
 //!
@@ -55,12 +55,18 @@ impl std::fmt::Display for Config {
 
 fn random_config(rng: &mut Rng) -> Config {
     let pick = |rng: &mut Rng, xs: &[&str]| xs[rng.below(xs.len())].to_string();
-    let mut scheme = format!("k={},v={}", pick(rng, &FORMATS), pick(rng, &FORMATS));
+    let (k, v) = (pick(rng, &FORMATS), pick(rng, &FORMATS));
+    let mut scheme = format!("k={k},v={v}");
     if rng.below(3) == 0 {
         scheme += &format!(",sinks={}", 1 + rng.below(6));
     }
-    if rng.below(3) == 0 {
+    let block = if rng.below(3) == 0 { 64 } else { 32 };
+    if block == 64 {
         scheme += ",g=64";
+    }
+    // A value window of whole blocks, mostly shorter than the sequences (which reach ~140).
+    if v != "f16" && rng.below(3) == 0 {
+        scheme += &format!(",rv={}", [32, 64, 128][rng.below(3)].max(block));
     }
     if rng.below(4) == 0 {
         scheme += if rng.below(2) == 0 {

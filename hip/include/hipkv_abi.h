@@ -104,13 +104,17 @@ typedef struct hipkv_paged_geometry {
     uint32_t pre_rope;          // 1: keys are stored unrotated; attention rotates them
     uint32_t rope_pairs_interleaved; // 1: pairs (2i, 2i+1); 0: halves (i, i + head_dim/2)
     // Per slot, per layer: `state_bytes`; within it, byte offsets of the f16 sink rows of K and
-    // V (kv_heads × sinks × head_dim each) and of the residual windows of per-channel streams
-    // (kv_heads × block_tokens × head_dim each; unused for per-token streams).
+    // V (kv_heads × sinks × head_dim each), of the residual windows of per-channel streams
+    // (kv_heads × block_tokens × head_dim each; unused for per-token streams) and of the value
+    // window (kv_heads × W × head_dim, W = value_window + block_tokens: position p's f16 value
+    // row at p % W; a block holding any of the last value_window positions is read from it).
     uint64_t state_bytes;
     uint32_t sinks_k;
     uint32_t sinks_v;
     uint32_t residual_k;
     uint32_t residual_v;
+    uint32_t value_window;      // KIVI's R: the last R positions' values are read f16 (0: none)
+    uint32_t window_v;
     hipkv_stream_layout k;
     hipkv_stream_layout v;
 } hipkv_paged_geometry;
@@ -124,7 +128,9 @@ typedef struct hipkv_paged_geometry {
 //     blocks this batch leaves open go to the slot's residual window (after, since the first
 //     launch may read the window slots they replace).
 // Positions below `sinks` are never written to blocks. Outliers beyond the thresholds go to
-// the block's sparse store, as `src/quant` does.
+// the block's sparse store, as `src/quant` does. With a value window, the first launch also
+// copies each value row f16 into its window row unless the batch holds the position W later
+// (the batch lists a sequence's tokens in order).
 typedef struct hipkv_write_params {
     hipkv_paged_geometry g;
     uint32_t stream;            // 0: keys, 1: values (selects the layout and state offsets)

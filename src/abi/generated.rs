@@ -110,12 +110,14 @@ pub struct hipkv_paged_geometry {
     pub sinks_v: u32,
     pub residual_k: u32,
     pub residual_v: u32,
+    pub value_window: u32,
+    pub window_v: u32,
     pub k: hipkv_stream_layout,
     pub v: hipkv_stream_layout,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_paged_geometry"][::std::mem::size_of::<hipkv_paged_geometry>() - 144usize];
+    ["Size of hipkv_paged_geometry"][::std::mem::size_of::<hipkv_paged_geometry>() - 152usize];
     ["Alignment of hipkv_paged_geometry"][::std::mem::align_of::<hipkv_paged_geometry>() - 8usize];
     ["Offset of field: hipkv_paged_geometry::block_bytes"]
         [::std::mem::offset_of!(hipkv_paged_geometry, block_bytes) - 0usize];
@@ -151,10 +153,14 @@ const _: () = {
         [::std::mem::offset_of!(hipkv_paged_geometry, residual_k) - 72usize];
     ["Offset of field: hipkv_paged_geometry::residual_v"]
         [::std::mem::offset_of!(hipkv_paged_geometry, residual_v) - 76usize];
+    ["Offset of field: hipkv_paged_geometry::value_window"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, value_window) - 80usize];
+    ["Offset of field: hipkv_paged_geometry::window_v"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, window_v) - 84usize];
     ["Offset of field: hipkv_paged_geometry::k"]
-        [::std::mem::offset_of!(hipkv_paged_geometry, k) - 80usize];
+        [::std::mem::offset_of!(hipkv_paged_geometry, k) - 88usize];
     ["Offset of field: hipkv_paged_geometry::v"]
-        [::std::mem::offset_of!(hipkv_paged_geometry, v) - 112usize];
+        [::std::mem::offset_of!(hipkv_paged_geometry, v) - 120usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -178,40 +184,40 @@ pub struct hipkv_write_params {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_write_params"][::std::mem::size_of::<hipkv_write_params>() - 248usize];
+    ["Size of hipkv_write_params"][::std::mem::size_of::<hipkv_write_params>() - 256usize];
     ["Alignment of hipkv_write_params"][::std::mem::align_of::<hipkv_write_params>() - 8usize];
     ["Offset of field: hipkv_write_params::g"]
         [::std::mem::offset_of!(hipkv_write_params, g) - 0usize];
     ["Offset of field: hipkv_write_params::stream"]
-        [::std::mem::offset_of!(hipkv_write_params, stream) - 144usize];
+        [::std::mem::offset_of!(hipkv_write_params, stream) - 152usize];
     ["Offset of field: hipkv_write_params::dtype"]
-        [::std::mem::offset_of!(hipkv_write_params, dtype) - 148usize];
+        [::std::mem::offset_of!(hipkv_write_params, dtype) - 156usize];
     ["Offset of field: hipkv_write_params::tokens"]
-        [::std::mem::offset_of!(hipkv_write_params, tokens) - 152usize];
+        [::std::mem::offset_of!(hipkv_write_params, tokens) - 160usize];
     ["Offset of field: hipkv_write_params::layer_state"]
-        [::std::mem::offset_of!(hipkv_write_params, layer_state) - 156usize];
+        [::std::mem::offset_of!(hipkv_write_params, layer_state) - 164usize];
     ["Offset of field: hipkv_write_params::cache"]
-        [::std::mem::offset_of!(hipkv_write_params, cache) - 160usize];
+        [::std::mem::offset_of!(hipkv_write_params, cache) - 168usize];
     ["Offset of field: hipkv_write_params::state"]
-        [::std::mem::offset_of!(hipkv_write_params, state) - 168usize];
+        [::std::mem::offset_of!(hipkv_write_params, state) - 176usize];
     ["Offset of field: hipkv_write_params::slot_state_bytes"]
-        [::std::mem::offset_of!(hipkv_write_params, slot_state_bytes) - 176usize];
+        [::std::mem::offset_of!(hipkv_write_params, slot_state_bytes) - 184usize];
     ["Offset of field: hipkv_write_params::x"]
-        [::std::mem::offset_of!(hipkv_write_params, x) - 184usize];
+        [::std::mem::offset_of!(hipkv_write_params, x) - 192usize];
     ["Offset of field: hipkv_write_params::slot_mapping"]
-        [::std::mem::offset_of!(hipkv_write_params, slot_mapping) - 192usize];
+        [::std::mem::offset_of!(hipkv_write_params, slot_mapping) - 200usize];
     ["Offset of field: hipkv_write_params::seq_slots"]
-        [::std::mem::offset_of!(hipkv_write_params, seq_slots) - 200usize];
+        [::std::mem::offset_of!(hipkv_write_params, seq_slots) - 208usize];
     ["Offset of field: hipkv_write_params::positions"]
-        [::std::mem::offset_of!(hipkv_write_params, positions) - 208usize];
+        [::std::mem::offset_of!(hipkv_write_params, positions) - 216usize];
     ["Offset of field: hipkv_write_params::outlier_lo"]
-        [::std::mem::offset_of!(hipkv_write_params, outlier_lo) - 216usize];
+        [::std::mem::offset_of!(hipkv_write_params, outlier_lo) - 224usize];
     ["Offset of field: hipkv_write_params::outlier_hi"]
-        [::std::mem::offset_of!(hipkv_write_params, outlier_hi) - 224usize];
+        [::std::mem::offset_of!(hipkv_write_params, outlier_hi) - 232usize];
     ["Offset of field: hipkv_write_params::outliers_dropped"]
-        [::std::mem::offset_of!(hipkv_write_params, outliers_dropped) - 232usize];
+        [::std::mem::offset_of!(hipkv_write_params, outliers_dropped) - 240usize];
     ["Offset of field: hipkv_write_params::error"]
-        [::std::mem::offset_of!(hipkv_write_params, error) - 240usize];
+        [::std::mem::offset_of!(hipkv_write_params, error) - 248usize];
 };
 impl Default for hipkv_write_params {
     fn default() -> Self {
@@ -257,66 +263,66 @@ pub struct hipkv_attn_params {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_attn_params"][::std::mem::size_of::<hipkv_attn_params>() - 320usize];
+    ["Size of hipkv_attn_params"][::std::mem::size_of::<hipkv_attn_params>() - 328usize];
     ["Alignment of hipkv_attn_params"][::std::mem::align_of::<hipkv_attn_params>() - 8usize];
     ["Offset of field: hipkv_attn_params::g"]
         [::std::mem::offset_of!(hipkv_attn_params, g) - 0usize];
     ["Offset of field: hipkv_attn_params::dtype"]
-        [::std::mem::offset_of!(hipkv_attn_params, dtype) - 144usize];
+        [::std::mem::offset_of!(hipkv_attn_params, dtype) - 152usize];
     ["Offset of field: hipkv_attn_params::num_seqs"]
-        [::std::mem::offset_of!(hipkv_attn_params, num_seqs) - 148usize];
+        [::std::mem::offset_of!(hipkv_attn_params, num_seqs) - 156usize];
     ["Offset of field: hipkv_attn_params::tokens"]
-        [::std::mem::offset_of!(hipkv_attn_params, tokens) - 152usize];
+        [::std::mem::offset_of!(hipkv_attn_params, tokens) - 160usize];
     ["Offset of field: hipkv_attn_params::max_q_len"]
-        [::std::mem::offset_of!(hipkv_attn_params, max_q_len) - 156usize];
+        [::std::mem::offset_of!(hipkv_attn_params, max_q_len) - 164usize];
     ["Offset of field: hipkv_attn_params::max_seq_len"]
-        [::std::mem::offset_of!(hipkv_attn_params, max_seq_len) - 160usize];
+        [::std::mem::offset_of!(hipkv_attn_params, max_seq_len) - 168usize];
     ["Offset of field: hipkv_attn_params::max_blocks_per_seq"]
-        [::std::mem::offset_of!(hipkv_attn_params, max_blocks_per_seq) - 164usize];
+        [::std::mem::offset_of!(hipkv_attn_params, max_blocks_per_seq) - 172usize];
     ["Offset of field: hipkv_attn_params::tiles_per_seq"]
-        [::std::mem::offset_of!(hipkv_attn_params, tiles_per_seq) - 168usize];
+        [::std::mem::offset_of!(hipkv_attn_params, tiles_per_seq) - 176usize];
     ["Offset of field: hipkv_attn_params::splits"]
-        [::std::mem::offset_of!(hipkv_attn_params, splits) - 172usize];
+        [::std::mem::offset_of!(hipkv_attn_params, splits) - 180usize];
     ["Offset of field: hipkv_attn_params::blocks_per_split"]
-        [::std::mem::offset_of!(hipkv_attn_params, blocks_per_split) - 176usize];
+        [::std::mem::offset_of!(hipkv_attn_params, blocks_per_split) - 184usize];
     ["Offset of field: hipkv_attn_params::layer_state"]
-        [::std::mem::offset_of!(hipkv_attn_params, layer_state) - 180usize];
+        [::std::mem::offset_of!(hipkv_attn_params, layer_state) - 188usize];
     ["Offset of field: hipkv_attn_params::slot_state_bytes"]
-        [::std::mem::offset_of!(hipkv_attn_params, slot_state_bytes) - 184usize];
+        [::std::mem::offset_of!(hipkv_attn_params, slot_state_bytes) - 192usize];
     ["Offset of field: hipkv_attn_params::softmax_scale"]
-        [::std::mem::offset_of!(hipkv_attn_params, softmax_scale) - 192usize];
+        [::std::mem::offset_of!(hipkv_attn_params, softmax_scale) - 200usize];
     ["Offset of field: hipkv_attn_params::reserved"]
-        [::std::mem::offset_of!(hipkv_attn_params, reserved) - 196usize];
+        [::std::mem::offset_of!(hipkv_attn_params, reserved) - 204usize];
     ["Offset of field: hipkv_attn_params::cache"]
-        [::std::mem::offset_of!(hipkv_attn_params, cache) - 200usize];
+        [::std::mem::offset_of!(hipkv_attn_params, cache) - 208usize];
     ["Offset of field: hipkv_attn_params::state"]
-        [::std::mem::offset_of!(hipkv_attn_params, state) - 208usize];
+        [::std::mem::offset_of!(hipkv_attn_params, state) - 216usize];
     ["Offset of field: hipkv_attn_params::q"]
-        [::std::mem::offset_of!(hipkv_attn_params, q) - 216usize];
+        [::std::mem::offset_of!(hipkv_attn_params, q) - 224usize];
     ["Offset of field: hipkv_attn_params::out"]
-        [::std::mem::offset_of!(hipkv_attn_params, out) - 224usize];
+        [::std::mem::offset_of!(hipkv_attn_params, out) - 232usize];
     ["Offset of field: hipkv_attn_params::query_start_loc"]
-        [::std::mem::offset_of!(hipkv_attn_params, query_start_loc) - 232usize];
+        [::std::mem::offset_of!(hipkv_attn_params, query_start_loc) - 240usize];
     ["Offset of field: hipkv_attn_params::seq_lens"]
-        [::std::mem::offset_of!(hipkv_attn_params, seq_lens) - 240usize];
+        [::std::mem::offset_of!(hipkv_attn_params, seq_lens) - 248usize];
     ["Offset of field: hipkv_attn_params::block_tables"]
-        [::std::mem::offset_of!(hipkv_attn_params, block_tables) - 248usize];
+        [::std::mem::offset_of!(hipkv_attn_params, block_tables) - 256usize];
     ["Offset of field: hipkv_attn_params::seq_slots"]
-        [::std::mem::offset_of!(hipkv_attn_params, seq_slots) - 256usize];
+        [::std::mem::offset_of!(hipkv_attn_params, seq_slots) - 264usize];
     ["Offset of field: hipkv_attn_params::rope_cos_sin"]
-        [::std::mem::offset_of!(hipkv_attn_params, rope_cos_sin) - 264usize];
+        [::std::mem::offset_of!(hipkv_attn_params, rope_cos_sin) - 272usize];
     ["Offset of field: hipkv_attn_params::q_f32"]
-        [::std::mem::offset_of!(hipkv_attn_params, q_f32) - 272usize];
+        [::std::mem::offset_of!(hipkv_attn_params, q_f32) - 280usize];
     ["Offset of field: hipkv_attn_params::q_group_sums"]
-        [::std::mem::offset_of!(hipkv_attn_params, q_group_sums) - 280usize];
+        [::std::mem::offset_of!(hipkv_attn_params, q_group_sums) - 288usize];
     ["Offset of field: hipkv_attn_params::partial_acc"]
-        [::std::mem::offset_of!(hipkv_attn_params, partial_acc) - 288usize];
+        [::std::mem::offset_of!(hipkv_attn_params, partial_acc) - 296usize];
     ["Offset of field: hipkv_attn_params::partial_max"]
-        [::std::mem::offset_of!(hipkv_attn_params, partial_max) - 296usize];
+        [::std::mem::offset_of!(hipkv_attn_params, partial_max) - 304usize];
     ["Offset of field: hipkv_attn_params::partial_sum"]
-        [::std::mem::offset_of!(hipkv_attn_params, partial_sum) - 304usize];
+        [::std::mem::offset_of!(hipkv_attn_params, partial_sum) - 312usize];
     ["Offset of field: hipkv_attn_params::error"]
-        [::std::mem::offset_of!(hipkv_attn_params, error) - 312usize];
+        [::std::mem::offset_of!(hipkv_attn_params, error) - 320usize];
 };
 impl Default for hipkv_attn_params {
     fn default() -> Self {

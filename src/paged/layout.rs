@@ -35,9 +35,11 @@ pub struct LayoutSpec {
 pub struct Layout {
     spec: LayoutSpec,
     head: HeadLayout,
-    /// Byte offsets of the sink rows and residual windows in one slot's state of one layer.
+    /// Byte offsets of the sink rows, residual windows and value window in one slot's state of
+    /// one layer.
     sinks: [usize; 2],
     residual: [usize; 2],
+    window_v: usize,
     state_bytes: usize,
 }
 
@@ -101,12 +103,14 @@ impl Layout {
         let sinks = [0, sinks_bytes];
         let residual_k = 2 * sinks_bytes;
         let residual_v = residual_k + residual_bytes(spec.scheme.k);
-        let state_bytes = residual_v + residual_bytes(spec.scheme.v);
+        let window_v = residual_v + residual_bytes(spec.scheme.v);
+        let state_bytes = window_v + f16_rows(spec.scheme.window_rows());
         let layout = Layout {
             spec,
             head,
             sinks,
             residual: [residual_k, residual_v],
+            window_v,
             state_bytes,
         };
         let total = (layout.block_bytes() as u128).saturating_mul(spec.num_blocks as u128);
@@ -155,8 +159,8 @@ impl Layout {
         self.spec.num_blocks * self.block_bytes()
     }
 
-    /// Bytes of one sequence slot's state for one layer: the f16 rows of its sink positions and,
-    /// for per-channel streams, the residual window of its open block.
+    /// Bytes of one sequence slot's state for one layer: the f16 rows of its sink positions, for
+    /// per-channel streams the residual window of its open block, and the value window.
     pub fn state_bytes(&self) -> usize {
         self.state_bytes
     }
@@ -170,6 +174,12 @@ impl Layout {
     /// per-channel streams only).
     pub(crate) fn residual_offset(&self, stream: Stream) -> usize {
         self.residual[stream as usize]
+    }
+
+    /// Byte offset, in one slot's state of one layer, of the value window: KV head `h`'s row of
+    /// position `p` is row `h · W + p % W`, `W = scheme.window_rows()`.
+    pub(crate) fn window_offset(&self) -> usize {
+        self.window_v
     }
 
     /// The partial-output rows (query token × query head) a workspace for `limits` holds per
@@ -255,6 +265,8 @@ impl Layout {
             sinks_v: u(self.sinks[1]),
             residual_k: u(self.residual[0]),
             residual_v: u(self.residual[1]),
+            value_window: u(s.scheme.value_window),
+            window_v: u(self.window_v),
             k: crate::backend::stream_abi(&self.head.k, s.head_dim),
             v: crate::backend::stream_abi(&self.head.v, s.head_dim),
         }
@@ -296,10 +308,14 @@ mod tests {
         assert_eq!(l.cache_bytes(), 16 * l.block_bytes());
         // q8 keeps nothing per sequence.
         assert_eq!(l.state_bytes(), 0);
-        let k = Layout::new(spec("kivi2,sinks=4")).unwrap();
+        let k = Layout::new(spec("kivi2,sinks=4,rv=0")).unwrap();
         // Sinks for K and V, and a residual window for the per-channel keys only.
         assert_eq!(k.state_bytes(), 2 * (2 * 4 * 64 * 2) + 2 * 32 * 64 * 2);
         assert!(k.residual_offset(Stream::K) >= 2 * 2 * 4 * 64 * 2);
+        // KIVI's value window adds 128 + 32 f16 value rows per KV head, after the rest.
+        let w = Layout::new(spec("kivi2,sinks=4")).unwrap();
+        assert_eq!(w.window_offset(), k.state_bytes());
+        assert_eq!(w.state_bytes(), k.state_bytes() + 2 * 160 * 64 * 2);
     }
 
     #[test]

@@ -250,6 +250,21 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
     let residual_at = |slot: usize, head: usize, row: usize| {
         layer_state(slot) + layout.residual_offset(kind) + ((head * bt + row) * d) * 2
     };
+    // The value window's rows, as `write_window`: a token's row goes to row `pos % W` (W = R +
+    // block_tokens) unless the batch's token W places later holds position pos + W of the
+    // same sequence.
+    let window = if kind == Stream::V && g.value_window > 0 {
+        (g.value_window + g.block_tokens) as usize
+    } else {
+        0
+    };
+    let window_at = |slot: usize, head: usize, pos: usize| {
+        layer_state(slot) + layout.window_offset() + ((head * window + pos % window) * d) * 2
+    };
+    let in_window = |i: usize, t: &Target| {
+        let j = i + window;
+        !(j < n && seqs[j] as usize == t.seq_slot && positions[j] as usize == t.pos + window)
+    };
     let targets: Vec<Option<Target>> = (0..n)
         .map(|i| match locate(g, seqs[i], slots[i], positions[i]) {
             Ok(t) => Some(t),
@@ -263,6 +278,7 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
     let mut dropped = 0u64;
     for (i, t) in targets.iter().enumerate() {
         let Some(t) = t else { continue };
+        let to_window = window > 0 && t.pos >= sinks && in_window(i, t);
         for head in 0..heads {
             if t.pos < sinks {
                 let at = layer_state(t.seq_slot)
@@ -270,6 +286,10 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
                     + ((head * sinks + t.pos) * d) * 2;
                 write_f16_row(&mut state[at..at + 2 * d], &input(i, head));
                 continue;
+            }
+            if to_window {
+                let at = window_at(t.seq_slot, head, t.pos);
+                write_f16_row(&mut state[at..at + 2 * d], &input(i, head));
             }
             let block =
                 &mut cache[t.block * g.block_bytes as usize + head * head_bytes..][..head_bytes];

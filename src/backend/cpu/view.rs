@@ -1,5 +1,5 @@
 //! Where a sequence's rows are: its blocks (from its block table, past the sinks), its sink
-//! rows and its open block's residual window (in its slot state).
+//! rows, its open block's residual window and its value window (in its slot state).
 
 use std::ops::Range;
 
@@ -107,7 +107,8 @@ impl<'a> CacheView<'a> {
     }
 
     /// The runs of `head` in the given block range: rows of each block from the first position
-    /// past the sinks; the sinks come with the range that starts at block 0.
+    /// past the sinks (the values of a block that holds any of the last R positions from the
+    /// value window's f16 rows); the sinks come with the range that starts at block 0.
     pub(crate) fn blocks(
         &self,
         seq: &PagedSeq<'a>,
@@ -134,6 +135,8 @@ impl<'a> CacheView<'a> {
                 v: StreamBlock::f16_rows(rows(Stream::V), d),
             });
         }
+        let window = s.value_window;
+        let window_rows = window + g;
         for p in pages.start..pages.end.min(self.pages(seq.len)) {
             let first_pos = p * g;
             let begin = s.sinks.saturating_sub(first_pos).min(g);
@@ -144,9 +147,11 @@ impl<'a> CacheView<'a> {
             let id = seq.blocks[p] as usize;
             let block = &self.cache[id * layout.block_bytes() + head * head_layout.bytes..]
                 [..head_layout.bytes];
-            let stream = |kind: Stream| {
+            // Rows [begin, end) of a stream of the block (open when the sequence ends in it).
+            let open = end < g;
+            let stream = |kind: Stream, begin: usize, end: usize| {
                 let sl = head_layout.stream(kind);
-                if sl.format.is_grouped_by_tokens() && end < g {
+                if sl.format.is_grouped_by_tokens() && open {
                     // The open block: its rows wait in the residual window.
                     let at = layout.residual_offset(kind) + (head * g + begin) * row;
                     return StreamBlock::f16_rows(&seq.state[at..at + (end - begin) * row], d);
@@ -172,11 +177,20 @@ impl<'a> CacheView<'a> {
                     }),
                 }
             };
+            // The window's R + g rows hold every position of the blocks holding the last R,
+            // a block's in consecutive rows.
+            let v = if window > 0 && first_pos + g + window > seq.len {
+                let at = layout.window_offset()
+                    + (head * window_rows + (first_pos + begin) % window_rows) * row;
+                StreamBlock::f16_rows(&seq.state[at..at + (end - begin) * row], d)
+            } else {
+                stream(Stream::V, begin, end)
+            };
             out.push(Block {
                 first_pos: first_pos + begin,
                 tokens: end - begin,
-                k: stream(Stream::K),
-                v: stream(Stream::V),
+                k: stream(Stream::K, begin, end),
+                v,
             });
         }
         out

@@ -245,13 +245,16 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
     let w = names.iter().map(String::len).max().unwrap_or(0).max(6);
     println!("\nschemes at head_dim {d}: bytes per token per KV head, K and V together");
     println!(
-        "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11}  {:>9}  {:>7}",
-        "scheme", "K", "V", "K bits", "V bits", "bytes/token", "bits/elem", "vs f16"
+        "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11}  {:>9}  {:>7}  {:>7}",
+        "scheme", "K", "V", "K bits", "V bits", "bytes/token", "bits/elem", "vs f16", "f16/seq"
     );
     for s in &schemes {
         let bytes = s.bytes_per_token(d);
+        // What a sequence holds f16 beside its pages: sinks, residual page, value window.
+        let m = s.memory(d, s.group_tokens);
+        let f16_per_seq = m.sink_bytes + m.residual_bytes + m.window_bytes;
         println!(
-            "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11.1}  {:>9.2}  {:>6.2}×",
+            "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11.1}  {:>9.2}  {:>6.2}×  {:>7}",
             s.to_string(),
             s.k.to_string(),
             s.v.to_string(),
@@ -260,6 +263,7 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
             bytes,
             bytes * 8.0 / (2 * d) as f64,
             f16_bytes / bytes,
+            f16_per_seq,
         );
     }
     let outlier_slots = schemes
@@ -270,7 +274,9 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         "\nbytes/token counts codes, scales, minimums and outlier stores of full pages of 32 tokens.\n\
          outliers: ~1% of key elements kept exact in a sparse store ({outlier_slots} slots per token).\n\
          pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
-         q*_chan keys also keep an f16 residual page (32 tokens) per sequence and KV head."
+         f16/seq: bytes a sequence holds f16 per KV head beside its pages: the residual page of\n\
+         q*_chan keys (32 tokens) and the value window (rv=; kivi*: the last 128 tokens' values,\n\
+         in 128 + 32 rows)."
     );
     Ok(())
 }
