@@ -214,27 +214,34 @@ impl KvCache {
     }
 
     /// Bytes one attention step over `seq` in `layer` reads: the sink rows, every block it
-    /// touches (whole), and the open block's rows where a per-channel stream keeps them f16.
+    /// touches (whole when full, its rows' share when open), and in their place the f16 rows a
+    /// scheme reads instead: the open block's of a per-channel stream (residual window), the
+    /// values of the blocks in the value window.
     pub fn bytes_read(&self, layer: usize, seq: usize) -> Result<usize> {
         let len = self.len(layer, seq)?;
-        let layout = self.paged.layout();
         let s = &self.config.scheme;
-        let h = self.config.kv_heads;
+        let head = self.paged.layout().head_layout();
         let f16_row = self.config.head_dim * 2;
         let g = s.group_tokens;
-        let (full, open) = (len / g, len % g);
-        let mut bytes = 2 * len.min(s.sinks) * f16_row * h + full * layout.block_bytes();
-        if open > 0 {
+        let mut per_head = 2 * len.min(s.sinks) * f16_row;
+        for block in 0..len.div_ceil(g) {
+            let first = block * g;
+            let tokens = (len - first).min(g);
+            // Rows past the sinks: what the f16 windows hold of this block.
+            let rows = tokens - s.sinks.saturating_sub(first).min(tokens);
+            let in_window = s.value_window > 0 && first + g + s.value_window > len;
             for stream in [Stream::K, Stream::V] {
-                let l = layout.head_layout().stream(stream);
-                bytes += h * if l.format.is_grouped_by_tokens() {
-                    open * f16_row
+                let l = head.stream(stream);
+                per_head += if stream == Stream::V && in_window
+                    || tokens < g && l.format.is_grouped_by_tokens()
+                {
+                    rows * f16_row
                 } else {
-                    (l.end - l.rows) * open / g
+                    (l.end - l.rows) * tokens / g
                 };
             }
         }
-        Ok(bytes)
+        Ok(per_head * self.config.kv_heads)
     }
 
     /// Sets the outlier thresholds of a layer (`v` only when the scheme stores value outliers).

@@ -187,9 +187,16 @@ fn bench_runs_the_device_path_on_the_emulator() {
         assert_eq!(row["sequences"], 2);
         assert!(row["us_per_step"].as_f64().unwrap() > 0.0, "{row}");
         assert!(row["pct_of_memcpy"].is_null() && row["pct_of_peak"].is_null());
-        let scheme: hipkv::Scheme = scheme.parse().unwrap();
-        // 96 tokens: 3 full pages of 32, two KV heads.
-        let bytes = 2 * 3 * scheme.head_layout(128).bytes;
+        let s: hipkv::Scheme = scheme.parse().unwrap();
+        let head = s.head_layout(128);
+        // 96 tokens: 3 full pages of 32, two KV heads. kivi2 reads its 4 sink tokens and, all
+        // 96 positions being in its value window, the other 92 tokens' values f16 instead of
+        // the pages' value streams.
+        let bytes = if scheme == "q8" {
+            2 * 3 * head.bytes
+        } else {
+            2 * (3 * (head.k.end - head.k.rows) + 2 * 4 * 256 + 92 * 256)
+        };
         assert_eq!(row["bytes_per_step"], bytes, "{row}");
     }
 }
@@ -259,4 +266,111 @@ fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
     }
     let bad = hipkv(&["bench", "--batch", "0"]);
     assert_eq!(bad.status.code(), Some(2));
+}
+
+/// `hipkv eval --save` then `hipkv info --model --eval`: per scheme, the KV bytes of the model,
+/// the sequences that fit (the library's count) and the KL the saved run measured; a file of
+/// another model's shape is refused. Needs the eval model (`scripts/fetch-model.sh`): skipped
+/// without it unless `HIPKV_REQUIRE_MODEL=1`.
+#[test]
+fn info_prints_what_fits_with_the_measured_kl() {
+    use hipkv::eval::{KvShape, fit, inspect};
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(hipkv::eval::DEFAULT_MODEL);
+    if !model.exists() {
+        assert_ne!(
+            std::env::var("HIPKV_REQUIRE_MODEL").as_deref(),
+            Ok("1"),
+            "{} is missing",
+            model.display()
+        );
+        eprintln!("skipped: {} is missing", model.display());
+        return;
+    }
+    let model_arg = model.to_str().unwrap();
+    let saved = std::env::temp_dir().join(format!("hipkv-fit-{}.json", std::process::id()));
+    let out = hipkv(&[
+        "eval",
+        "--model",
+        model_arg,
+        "--tokens",
+        "48",
+        "--chunk",
+        "16",
+        "--schemes",
+        "q8;kivi2",
+        "--frontier",
+        "--save",
+        saved.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("frontier at head_dim 64"), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let kl = |name: &str| {
+        json["schemes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["scheme"] == name)
+            .unwrap()["mean_kl"]
+            .as_f64()
+            .unwrap()
+    };
+
+    let out = hipkv(&[
+        "info",
+        "--model",
+        model_arg,
+        "--vram",
+        "16GiB",
+        "--context",
+        "6144",
+        "--schemes",
+        "q8;kivi2;q4_tok",
+        "--eval",
+        saved.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}");
+    let (cfg, weights) = inspect(&model).unwrap();
+    let shape = KvShape {
+        layers: cfg.layers,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
+    };
+    let budget = (16u64 << 30) - weights - (1 << 30);
+    for (name, measured) in [("q8", true), ("kivi2", true), ("q4_tok", false)] {
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} line in\n{text}"));
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        let f = fit(&name.parse().unwrap(), shape, 6144, budget).unwrap();
+        assert_eq!(cols[1], format!("{:.1}", f.bytes_per_token), "{line}");
+        assert_eq!(cols[2], f.tokens.to_string(), "{line}");
+        assert_eq!(cols[3], f.sequences.to_string(), "{line}");
+        let want = if measured {
+            format!("{:.2e}", kl(name))
+        } else {
+            "-".into()
+        };
+        assert_eq!(cols[5], want, "{line}");
+    }
+
+    // The same file claiming another model's shape is refused.
+    let mut other = json.clone();
+    other["head_dim"] = 128.into();
+    std::fs::write(&saved, other.to_string()).unwrap();
+    let out = hipkv(&[
+        "info",
+        "--model",
+        model_arg,
+        "--eval",
+        saved.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!out.status.success());
+    assert!(err.contains("KV shape 30×3×128"), "{err}");
+    std::fs::remove_file(&saved).unwrap();
 }

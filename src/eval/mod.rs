@@ -8,6 +8,7 @@
 //! vocabulary, top-1 agreement, ΔNLL and perplexity on the text's next tokens, bytes per token,
 //! and KL by context depth.
 
+mod fit;
 mod model;
 mod plot;
 mod tokenizer;
@@ -20,7 +21,8 @@ use serde::Serialize;
 
 use crate::{CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
 
-pub use model::{Attention, Model, ModelConfig};
+pub use fit::{Fit, KvShape, fit, parse_bytes};
+pub use model::{Attention, Model, ModelConfig, inspect};
 pub use plot::{plot_depth, plot_pareto};
 pub use tokenizer::Tokenizer;
 
@@ -358,6 +360,10 @@ pub struct SchemeReport {
 /// The whole evaluation.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Report {
+    /// The model's KV shape: layers, KV heads, head_dim (`hipkv info --eval` checks it).
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
     /// Tokens run through the model.
     pub tokens: usize,
     /// Tokens scored: every position that has a next token.
@@ -449,6 +455,9 @@ pub fn evaluate(
         .map(|(run, stats)| scheme_report(&cfg, run.cache(), stats, baseline_nll))
         .collect();
     Ok(Report {
+        layers: cfg.layers,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
         tokens: n,
         scored,
         chunk,
@@ -508,6 +517,51 @@ fn scheme_report(
         bits_per_element: scheme.bytes_per_token(cfg.head_dim) * 8.0 / (2 * cfg.head_dim) as f64,
         outliers_dropped: cache.outliers_dropped(),
         depth,
+    }
+}
+
+/// The byte budgets of `hipkv eval --frontier`, per token and KV head at head_dim 64, counted as
+/// [`Scheme::bytes_per_token`] counts (full pages: codes, parameters, outlier stores; the
+/// per-sequence f16 sinks and windows apart): llama.cpp's `q8_0` (136), then 72, 56 and 40 (4.5,
+/// 3.5 and 2.5 bits per element). At another head_dim, the same fractions of f16's bytes.
+pub const FRONTIER_BUDGETS_D64: [f64; 4] = [136.0, 72.0, 56.0, 40.0];
+
+/// One byte budget of the frontier and the scheme of least mean KL within it.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct FrontierPoint {
+    /// Bytes per token per KV head at the model's head_dim.
+    pub budget: f64,
+    /// The scheme (an index into [`Report::schemes`]) of least mean KL among those whose
+    /// [`Report::page_bytes_per_token`] is within the budget; `None` when none is.
+    pub best: Option<usize>,
+}
+
+impl Report {
+    /// Bytes per token per KV head of scheme `i` (K and V) in full pages, what the frontier's
+    /// budgets count ([`Scheme::bytes_per_token`]).
+    pub fn page_bytes_per_token(&self, i: usize) -> f64 {
+        self.schemes[i].bits_per_element * (2 * self.head_dim) as f64 / 8.0
+    }
+
+    /// Bytes per token per KV head of scheme `i`, everything included at the evaluated length
+    /// (sinks and the residual and value windows shared by the sequence's tokens).
+    pub fn head_bytes_per_token(&self, i: usize) -> f64 {
+        self.schemes[i].bytes_per_token / (self.layers * self.kv_heads) as f64
+    }
+
+    /// For each of [`FRONTIER_BUDGETS_D64`] (scaled to the model's head_dim), the measured scheme
+    /// of least mean KL that fits in it.
+    pub fn frontier(&self) -> Vec<FrontierPoint> {
+        FRONTIER_BUDGETS_D64
+            .iter()
+            .map(|b| {
+                let budget = b * self.head_dim as f64 / 64.0;
+                let best = (0..self.schemes.len())
+                    .filter(|&i| self.page_bytes_per_token(i) <= budget)
+                    .min_by(|&a, &b| self.schemes[a].mean_kl.total_cmp(&self.schemes[b].mean_kl));
+                FrontierPoint { budget, best }
+            })
+            .collect()
     }
 }
 
@@ -582,5 +636,47 @@ mod tests {
         let s = parse_schemes("k=q2_chan,v=q4_tok;q8").unwrap();
         assert_eq!(s.len(), 2);
         assert!(parse_schemes("f16,bogus").is_err());
+    }
+
+    #[test]
+    fn the_frontier_takes_the_least_kl_within_each_budget() {
+        // Full-page bytes per token per KV head given; the totals are 10 bytes more (windows).
+        let scheme = |name: &str, bytes: f64, mean_kl: f64| SchemeReport {
+            scheme: name.into(),
+            mean_kl,
+            p99_kl: 0.0,
+            top1: 1.0,
+            nll: 0.0,
+            delta_nll: 0.0,
+            perplexity: 1.0,
+            bytes_per_token: 3.0 * (bytes + 10.0),
+            bits_per_element: bytes * 8.0 / 128.0,
+            outliers_dropped: 0,
+            depth: Vec::new(),
+        };
+        let report = Report {
+            layers: 3,
+            kv_heads: 1,
+            head_dim: 64,
+            tokens: 2,
+            scored: 1,
+            chunk: 2,
+            baseline_nll: 0.0,
+            baseline_perplexity: 1.0,
+            schemes: vec![
+                scheme("a", 136.0, 1e-3),
+                scheme("b", 132.0, 2e-3),
+                scheme("c", 72.5, 1e-4),
+                scheme("d", 70.0, 0.5),
+                scheme("e", 56.0, 0.2),
+            ],
+        };
+        let best: Vec<Option<usize>> = report.frontier().iter().map(|p| p.best).collect();
+        // c is best overall but 0.5 byte over 72; nothing fits 40.
+        assert_eq!(best, [Some(2), Some(4), Some(4), None]);
+        assert_eq!(report.head_bytes_per_token(4), 66.0);
+        let mut wide = report.clone();
+        wide.head_dim = 256;
+        assert_eq!(wide.frontier()[1].budget, 288.0);
     }
 }

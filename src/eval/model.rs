@@ -208,23 +208,45 @@ fn transposed(w: &Tensor) -> Result<Tensor, EvalError> {
     Ok(w.t()?.contiguous()?)
 }
 
+/// Opens a GGUF file and reads its header (metadata and tensor directory).
+fn open_gguf(path: &Path) -> Result<(Content, BufReader<File>), EvalError> {
+    let file = File::open(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            EvalError::ModelMissing {
+                path: path.to_path_buf(),
+            }
+        } else {
+            EvalError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    })?;
+    let mut file = BufReader::new(file);
+    let content = Content::read(&mut file)?;
+    Ok((content, file))
+}
+
+/// A GGUF model's shape and the bytes of its weights as shipped (every tensor in its stored
+/// type: what a GPU engine loading the file holds), without loading them.
+pub fn inspect(path: &Path) -> Result<(ModelConfig, u64), EvalError> {
+    let (content, _) = open_gguf(path)?;
+    let config = ModelConfig::from_gguf(&content)?;
+    let weights = content
+        .tensor_infos
+        .values()
+        .map(|t| {
+            let dtype = t.ggml_dtype;
+            (t.shape.elem_count() / dtype.block_size() * dtype.type_size()) as u64
+        })
+        .sum();
+    Ok((config, weights))
+}
+
 impl Model {
     /// Loads a Llama-family GGUF file and its tokenizer.
     pub fn load(path: &Path) -> Result<(Model, Tokenizer), EvalError> {
-        let file = File::open(path).map_err(|source| {
-            if source.kind() == std::io::ErrorKind::NotFound {
-                EvalError::ModelMissing {
-                    path: path.to_path_buf(),
-                }
-            } else {
-                EvalError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                }
-            }
-        })?;
-        let mut file = BufReader::new(file);
-        let content = Content::read(&mut file)?;
+        let (content, mut file) = open_gguf(path)?;
         let config = ModelConfig::from_gguf(&content)?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let c = config;

@@ -28,7 +28,8 @@ pub(crate) struct BatchRow {
     pub(crate) sequences: usize,
     pub(crate) min_len: usize,
     pub(crate) max_len: usize,
-    /// Bytes of the blocks, sink rows and residual windows the step reads.
+    /// Bytes the step reads, counted at the pages' bytes per token × each sequence's length
+    /// (the per-sequence f16 sinks and windows not separated out).
     pub(crate) bytes_per_step: usize,
     /// The device's time from the first kernel of the call to the last (the call's own wall
     /// clock on the CPU and the emulator, whose calls do the work).

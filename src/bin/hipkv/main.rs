@@ -74,8 +74,8 @@ struct EvalArgs {
     #[arg(long, default_value_t = 4096)]
     tokens: usize,
     /// Schemes, separated by `,` where each starts with a preset or `k=` (`f16,q8,kivi2,pre_rope`
-    /// is three), or by `;` [default: f16, q8, q8_0, q4_tok, kivi4, q2_tok, kivi2 and kivi2 with
-    /// pre_rope, outliers, and both].
+    /// is three), or by `;` [default: f16, q8, q8_0, q2_tok; q4_tok with and without outliers;
+    /// kivi4 and kivi2 with and without pre_rope and outliers].
     #[arg(long)]
     schemes: Option<String>,
     /// Tokens per prefill chunk: appended to the cache, then attending to it.
@@ -84,20 +84,65 @@ struct EvalArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Also write the JSON object to this file (what `hipkv info --eval` reads).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Then print, for each byte budget (136, 72, 56 and 40 bytes per token per KV head at
+    /// head_dim 64, the same fractions of f16 at others), the scheme of least KL within it;
+    /// without `--schemes`, over combinations of formats, groups, sinks, value windows and
+    /// pre-RoPE keys chosen to fill those budgets.
+    #[arg(long)]
+    frontier: bool,
     /// Write the PNG plots (KL against bytes per token, KL against depth) into this folder.
     #[arg(long)]
     plots: Option<PathBuf>,
 }
 
 /// What `hipkv eval` measures when no schemes are given.
-const EVAL_SCHEMES: &str =
-    "f16;q8;q8_0;q4_tok;kivi4;q2_tok;kivi2;kivi2,pre_rope;kivi2,outliers;kivi2,pre_rope,outliers";
+const EVAL_SCHEMES: &str = "f16;q8;q8_0;q4_tok;q4_tok,outliers;kivi4;kivi4,outliers;\
+    kivi4,pre_rope;kivi4,pre_rope,outliers;q2_tok;kivi2;kivi2,outliers;kivi2,pre_rope;\
+    kivi2,pre_rope,outliers";
+
+/// What `hipkv eval --frontier` searches when no schemes are given: per budget at head_dim 64
+/// (full pages), the candidates that fill it: 8-bit (132–136 bytes), 4-bit keys and values at
+/// 64-token pages and 64-channel value groups (72), one of them 2-bit (56), both 2-bit (40);
+/// with and without the value window and pre-RoPE keys. The presets (80 and 48 bytes) anchor
+/// the table.
+const FRONTIER_SCHEMES: &str = "q8_0;q8;kivi4;kivi4,pre_rope;kivi2;kivi2,pre_rope;\
+    k=q4_chan,v=q4_tok@64,g=64,sinks=4;\
+    k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128;\
+    k=q4_chan,v=q4_tok@64,g=64,sinks=4,pre_rope;\
+    k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q4_chan,v=q2_tok@64,g=64,sinks=4,pre_rope;\
+    k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q2_chan,v=q2_tok@64,g=64,sinks=4,pre_rope";
 
 #[derive(Args)]
 struct InfoArgs {
     /// Head dimension for the memory table.
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
+    /// A GGUF model: print what fits of its KV cache in `--vram` at `--context`, per scheme.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Memory of the card, for `--model` (16GiB, 12GB, ...).
+    #[arg(long, default_value = "16GiB", requires = "model")]
+    vram: String,
+    /// Memory kept back for everything but weights and KV cache (activations, workspace,
+    /// the runtime), for `--model`.
+    #[arg(long, default_value = "1GiB", requires = "model")]
+    reserve: String,
+    /// Tokens per sequence, for `--model`.
+    #[arg(long, default_value_t = 4096, requires = "model")]
+    context: usize,
+    /// Schemes separated by `;`, for `--model` [default: every preset].
+    #[arg(long, requires = "model")]
+    schemes: Option<String>,
+    /// The JSON of a `hipkv eval --save` of the same model, whose mean KL is printed per scheme.
+    #[arg(long, requires = "model")]
+    eval: Option<PathBuf>,
     /// Instead, list the resources of every GPU kernel in this build (registers, spills,
     /// scratch, LDS, occupancy), read from the embedded code objects.
     #[arg(long)]
@@ -151,6 +196,17 @@ enum CliError {
     CodeObject(#[from] hipkv::codeobj::CodeObjectError),
     #[error(transparent)]
     Eval(#[from] hipkv::eval::EvalError),
+    #[error("{path}: not the JSON of `hipkv eval --save`: {source}")]
+    EvalJson {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path} measured a model with KV shape {found}, but the model's is {expected}")]
+    EvalModel {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -172,6 +228,9 @@ fn main() -> ExitCode {
 fn info(args: &InfoArgs) -> Result<(), CliError> {
     if args.kernels {
         return info_kernels();
+    }
+    if let Some(model) = &args.model {
+        return info_fits(args, model);
     }
     let d = args.head_dim;
     let names: Vec<String> = PRESETS
@@ -279,6 +338,159 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          in 128 + 32 rows)."
     );
     Ok(())
+}
+
+/// `info --model`: per scheme, the KV bytes per token of the model, and the tokens and
+/// sequences of `--context` that fit in `--vram` beside the weights and `--reserve`.
+fn info_fits(args: &InfoArgs, path: &std::path::Path) -> Result<(), CliError> {
+    use hipkv::eval::{KvShape, fit, inspect, parse_bytes};
+
+    let (cfg, weights) = inspect(path)?;
+    let shape = KvShape {
+        layers: cfg.layers,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
+    };
+    let (vram, reserve) = (parse_bytes(&args.vram)?, parse_bytes(&args.reserve)?);
+    let budget = vram.checked_sub(weights + reserve).ok_or_else(|| {
+        CliError::Usage(format!(
+            "--vram {} does not hold the weights ({}) and --reserve {}",
+            args.vram,
+            gib(weights),
+            args.reserve
+        ))
+    })?;
+    let schemes: Vec<Scheme> = match &args.schemes {
+        Some(list) => list
+            .split(';')
+            .map(|s| s.trim().parse())
+            .collect::<Result<_, _>>()?,
+        None => Scheme::presets(),
+    };
+    let kl = match &args.eval {
+        Some(file) => measured_kl(file, shape)?,
+        None => Vec::new(),
+    };
+    let shape_text = |s: KvShape| {
+        format!(
+            "{} layers × {} KV heads × head_dim {}",
+            s.layers, s.kv_heads, s.head_dim
+        )
+    };
+    println!(
+        "model {}: {}, weights {} as stored",
+        path.display(),
+        shape_text(shape),
+        gib(weights)
+    );
+    println!(
+        "budget: {} of memory − {} weights − {} reserve = {} for the KV cache; sequences of {} tokens",
+        gib(vram),
+        gib(weights),
+        gib(reserve),
+        gib(budget),
+        args.context
+    );
+    let f16 = fit(&Scheme::uniform(Format::F16), shape, args.context, budget)?;
+    let w = schemes
+        .iter()
+        .map(|s| s.to_string().len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
+    println!(
+        "
+{:<w$}  {:>11}  {:>14}  {:>9}  {:>7}  {:>8}",
+        "scheme", "bytes/token", "tokens", "sequences", "vs f16", "mean KL"
+    );
+    for s in &schemes {
+        let f = fit(s, shape, args.context, budget)?;
+        let measured = kl
+            .iter()
+            .find(|(m, _)| m == s)
+            .map_or("-".to_string(), |(_, kl)| format!("{kl:.2e}"));
+        println!(
+            "{:<w$}  {:>11.1}  {:>14}  {:>9}  {:>6.2}×  {:>8}",
+            s.to_string(),
+            f.bytes_per_token,
+            f.tokens,
+            f.sequences,
+            f16.bytes_per_token / f.bytes_per_token,
+            measured
+        );
+    }
+    println!(
+        "\nbytes/token: the KV cache of one token of a {}-token sequence, every layer and KV \
+         head, K and V,\nwith scales, minimums, outlier stores, sinks and the residual and value \
+         windows (Scheme::memory;\na sequence's f16 windows are shared by its tokens). tokens: \
+         what the budget holds in sequences\nof that length; sequences: whole ones. mean KL: {}.",
+        args.context,
+        match &args.eval {
+            Some(f) => format!(
+                "as measured by `hipkv eval` in {} (- : not measured)",
+                f.display()
+            ),
+            None => "give `--eval FILE` (from `hipkv eval --save FILE`) to print it".into(),
+        }
+    );
+    Ok(())
+}
+
+/// `n` bytes in GiB (MiB below one), for tables.
+fn gib(n: u64) -> String {
+    if n >= 1 << 30 {
+        format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// The mean KL per scheme of a `hipkv eval --save` file, which must be of a model of `shape`.
+fn measured_kl(
+    path: &std::path::Path,
+    shape: hipkv::eval::KvShape,
+) -> Result<Vec<(Scheme, f64)>, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| hipkv::eval::EvalError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|source| CliError::EvalJson {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let bad = |what: &str| CliError::EvalJson {
+        path: path.to_path_buf(),
+        source: serde::de::Error::custom(format!("no {what}")),
+    };
+    let number = |key: &str| {
+        json[key]
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| bad(key))
+    };
+    let found = hipkv::eval::KvShape {
+        layers: number("layers")?,
+        kv_heads: number("kv_heads")?,
+        head_dim: number("head_dim")?,
+    };
+    if found != shape {
+        let text = |s: hipkv::eval::KvShape| format!("{}×{}×{}", s.layers, s.kv_heads, s.head_dim);
+        return Err(CliError::EvalModel {
+            path: path.to_path_buf(),
+            found: text(found),
+            expected: text(shape),
+        });
+    }
+    let schemes = json["schemes"].as_array().ok_or_else(|| bad("schemes"))?;
+    schemes
+        .iter()
+        .map(|s| {
+            let name = s["scheme"].as_str().ok_or_else(|| bad("scheme name"))?;
+            let kl = s["mean_kl"].as_f64().ok_or_else(|| bad("mean_kl"))?;
+            Ok((name.parse()?, kl))
+        })
+        .collect()
 }
 
 /// `info --kernels`: the resource table of the embedded code objects, or why there are none.
@@ -737,7 +949,12 @@ fn print_table(report: &Report) {
 fn eval(args: &EvalArgs) -> Result<(), CliError> {
     use hipkv::eval::{self, EvalError, Model};
 
-    let schemes = eval::parse_schemes(args.schemes.as_deref().unwrap_or(EVAL_SCHEMES))?;
+    let default = if args.frontier {
+        FRONTIER_SCHEMES
+    } else {
+        EVAL_SCHEMES
+    };
+    let schemes = eval::parse_schemes(args.schemes.as_deref().unwrap_or(default))?;
     if args.tokens < 2 {
         return Err(CliError::Usage("--tokens must be at least 2".into()));
     }
@@ -804,10 +1021,20 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
     })?;
     progress.finish_and_clear();
     let run_time = run_started.elapsed().as_secs_f64();
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(path) = &args.save {
+        std::fs::write(path, &json).map_err(|source| EvalError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{json}");
     } else {
         print_eval(&report);
+        if args.frontier {
+            print_frontier(&report);
+        }
         println!(
             "\n{} tokens × {} runs in {:.1} s ({:.0} tokens/s), {} threads",
             tokens.len(),
@@ -840,6 +1067,41 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
         eprintln!("plots: {} {}", pareto.display(), depth.display());
     }
     Ok(())
+}
+
+/// The frontier: per byte budget, the measured scheme of least mean KL that fits in it.
+fn print_frontier(report: &hipkv::eval::Report) {
+    println!(
+        "\nfrontier at head_dim {}: the least mean KL within each budget (bytes per token per KV \
+         head, full pages)",
+        report.head_dim
+    );
+    println!(
+        "{:>7}  {:>6}  {:>9}  {:>9}  {:>7}  scheme",
+        "budget", "bytes", "with seq", "mean KL", "top-1"
+    );
+    for point in report.frontier() {
+        match point.best {
+            Some(i) => {
+                let s = &report.schemes[i];
+                println!(
+                    "{:>7}  {:>6.1}  {:>9.1}  {:>9.2e}  {:>6.2}%  {}",
+                    point.budget,
+                    report.page_bytes_per_token(i),
+                    report.head_bytes_per_token(i),
+                    s.mean_kl,
+                    100.0 * s.top1,
+                    s.scheme
+                );
+            }
+            None => println!("{:>7}  no measured scheme fits", point.budget),
+        }
+    }
+    println!(
+        "bytes: full pages (Scheme::bytes_per_token); with seq: everything included at {} tokens \
+         (sinks, residual and value windows shared by the sequence's tokens).",
+        report.tokens
+    );
 }
 
 fn print_eval(report: &hipkv::eval::Report) {
