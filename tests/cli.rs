@@ -333,12 +333,20 @@ fn info_prints_what_fits_with_the_measured_kl() {
     ]);
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(out.status.success(), "{text}");
-    let (cfg, weights) = inspect(&model).unwrap();
-    let shape = KvShape {
-        layers: cfg.layers,
-        kv_heads: cfg.kv_heads,
-        head_dim: cfg.head_dim,
-    };
+    let summary = inspect(&model).unwrap();
+    let (shape, weights) = (summary.shape, summary.weight_bytes);
+    assert_eq!(
+        (summary.architecture.as_str(), shape),
+        (
+            "llama",
+            KvShape {
+                layers: 30,
+                kv_heads: 3,
+                head_dim: 64
+            }
+        )
+    );
+    assert_eq!(summary.sliding_window, None);
     let budget = (16u64 << 30) - weights - (1 << 30);
     for (name, measured) in [("q8", true), ("kivi2", true), ("q4_tok", false)] {
         let line = text

@@ -151,3 +151,64 @@ fn schemes_rank_as_the_issue_requires() {
     assert_eq!(report.scored, 383);
     assert_eq!(f16.depth[0].tokens, 383);
 }
+
+/// `inspect` reads the KV shape of any architecture from the header alone: a gemma3-like file
+/// (no weights; head_dim from `key_length`, one KV head, a sliding window) and a file whose
+/// head_dim comes from the embedding over the heads. Runs without the model.
+#[test]
+fn inspect_reads_the_kv_shape_of_any_architecture() {
+    use candle_core::quantized::gguf_file::{Value, write};
+    let dir = std::env::temp_dir();
+    let header = |name: &str, keys: &[(&str, Value)]| {
+        let path = dir.join(format!("hipkv-inspect-{}-{name}.gguf", std::process::id()));
+        let mut file = std::fs::File::create(&path).unwrap();
+        let refs: Vec<(&str, &Value)> = keys.iter().map(|(k, v)| (*k, v)).collect();
+        write(&mut file, &refs, &[]).unwrap();
+        path
+    };
+    let gemma = header(
+        "gemma3",
+        &[
+            ("general.architecture", Value::String("gemma3".into())),
+            ("gemma3.block_count", Value::U32(18)),
+            ("gemma3.embedding_length", Value::U32(640)),
+            ("gemma3.attention.head_count", Value::U32(4)),
+            ("gemma3.attention.head_count_kv", Value::U32(1)),
+            ("gemma3.attention.key_length", Value::U32(256)),
+            ("gemma3.attention.sliding_window", Value::U32(512)),
+        ],
+    );
+    let s = eval::inspect(&gemma).unwrap();
+    assert_eq!(s.architecture, "gemma3");
+    assert_eq!(
+        (s.shape.layers, s.shape.kv_heads, s.shape.head_dim),
+        (18, 1, 256)
+    );
+    assert_eq!((s.sliding_window, s.weight_bytes), (Some(512), 0));
+    let plain = header(
+        "llama",
+        &[
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", Value::U32(2)),
+            ("llama.embedding_length", Value::U32(512)),
+            ("llama.attention.head_count", Value::U32(4)),
+        ],
+    );
+    let s = eval::inspect(&plain).unwrap();
+    assert_eq!(
+        (s.shape.layers, s.shape.kv_heads, s.shape.head_dim),
+        (2, 4, 128)
+    );
+    assert_eq!(s.sliding_window, None);
+    let missing = header(
+        "missing",
+        &[("general.architecture", Value::String("x".into()))],
+    );
+    assert!(matches!(
+        eval::inspect(&missing),
+        Err(EvalError::MissingMetadata { .. })
+    ));
+    for path in [gemma, plain, missing] {
+        std::fs::remove_file(path).unwrap();
+    }
+}

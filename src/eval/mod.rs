@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::{CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
 
 pub use fit::{Fit, KvShape, fit, parse_bytes};
-pub use model::{Attention, Model, ModelConfig, inspect};
+pub use model::{Attention, Model, ModelConfig, ModelSummary, inspect};
 pub use plot::{plot_depth, plot_pareto};
 pub use tokenizer::Tokenizer;
 

@@ -15,6 +15,7 @@ use candle_core::quantized::gguf_file::Content;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use super::fit::KvShape;
 use super::tokenizer::Tokenizer;
 use super::{EvalError, metadata};
 
@@ -227,12 +228,50 @@ fn open_gguf(path: &Path) -> Result<(Content, BufReader<File>), EvalError> {
     Ok((content, file))
 }
 
-/// A GGUF model's shape and the bytes of its weights as shipped (every tensor in its stored
-/// type: what a GPU engine loading the file holds), without loading them.
-pub fn inspect(path: &Path) -> Result<(ModelConfig, u64), EvalError> {
+/// What sizes a GGUF model's KV cache on a card, read from its header alone.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSummary {
+    /// `general.architecture` (`llama`, `gemma3`, `qwen3`, ...).
+    pub architecture: String,
+    pub shape: KvShape,
+    /// `<arch>.attention.sliding_window`: tokens a sliding-window layer attends to, for models
+    /// that have such layers.
+    pub sliding_window: Option<usize>,
+    /// Bytes of the weights as stored (every tensor in its stored type: what a GPU engine
+    /// loading the file holds).
+    pub weight_bytes: u64,
+}
+
+/// A GGUF model's KV shape and weight bytes, of any architecture that names them the way
+/// llama.cpp's conversions do (`<arch>.block_count`, `<arch>.attention.head_count_kv`,
+/// `<arch>.attention.key_length` or else the embedding over the query heads), without loading
+/// the weights.
+pub fn inspect(path: &Path) -> Result<ModelSummary, EvalError> {
     let (content, _) = open_gguf(path)?;
-    let config = ModelConfig::from_gguf(&content)?;
-    let weights = content
+    let architecture = metadata(&content, "general.architecture")?
+        .to_string()
+        .map_err(EvalError::Gguf)?
+        .clone();
+    let key = |name: &str| format!("{architecture}.{name}");
+    let optional = |name: &str| {
+        content
+            .metadata
+            .contains_key(&key(name))
+            .then(|| usize_key(&content, &key(name)))
+            .transpose()
+    };
+    let q_heads = usize_key(&content, &key("attention.head_count"))?;
+    let kv_heads = optional("attention.head_count_kv")?.unwrap_or(q_heads);
+    let head_dim = match optional("attention.key_length")? {
+        Some(d) => d,
+        None => usize_key(&content, &key("embedding_length"))? / q_heads.max(1),
+    };
+    let shape = KvShape {
+        layers: usize_key(&content, &key("block_count"))?,
+        kv_heads,
+        head_dim,
+    };
+    let weight_bytes = content
         .tensor_infos
         .values()
         .map(|t| {
@@ -240,7 +279,12 @@ pub fn inspect(path: &Path) -> Result<(ModelConfig, u64), EvalError> {
             (t.shape.elem_count() / dtype.block_size() * dtype.type_size()) as u64
         })
         .sum();
-    Ok((config, weights))
+    Ok(ModelSummary {
+        sliding_window: optional("attention.sliding_window")?,
+        architecture,
+        shape,
+        weight_bytes,
+    })
 }
 
 impl Model {

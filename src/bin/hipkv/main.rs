@@ -333,9 +333,9 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         "\nbytes/token counts codes, scales, minimums and outlier stores of full pages of 32 tokens.\n\
          outliers: ~1% of key elements kept exact in a sparse store ({outlier_slots} slots per token).\n\
          pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
-         f16/seq: bytes a sequence holds f16 per KV head beside its pages: the residual page of\n\
-         q*_chan keys (32 tokens) and the value window (rv=; kivi*: the last 128 tokens' values,\n\
-         in 128 + 32 rows)."
+         f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
+         tokens in the sub-8-bit presets), the residual page of q*_chan keys (32 tokens) and the\n\
+         value window (rv=; kivi*: the last 128 tokens' values, in 128 + 32 rows)."
     );
     Ok(())
 }
@@ -345,12 +345,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
 fn info_fits(args: &InfoArgs, path: &std::path::Path) -> Result<(), CliError> {
     use hipkv::eval::{KvShape, fit, inspect, parse_bytes};
 
-    let (cfg, weights) = inspect(path)?;
-    let shape = KvShape {
-        layers: cfg.layers,
-        kv_heads: cfg.kv_heads,
-        head_dim: cfg.head_dim,
-    };
+    let model = inspect(path)?;
+    let (shape, weights) = (model.shape, model.weight_bytes);
     let (vram, reserve) = (parse_bytes(&args.vram)?, parse_bytes(&args.reserve)?);
     let budget = vram.checked_sub(weights + reserve).ok_or_else(|| {
         CliError::Usage(format!(
@@ -378,11 +374,19 @@ fn info_fits(args: &InfoArgs, path: &std::path::Path) -> Result<(), CliError> {
         )
     };
     println!(
-        "model {}: {}, weights {} as stored",
+        "model {} ({}): {}, weights {} as stored",
         path.display(),
+        model.architecture,
         shape_text(shape),
         gib(weights)
     );
+    if let Some(window) = model.sliding_window {
+        println!(
+            "note: the model has sliding-window layers ({window} tokens); an engine that keeps only \
+             the window for them needs less than this table, which counts every layer at the full \
+             context (an upper bound)"
+        );
+    }
     println!(
         "budget: {} of memory − {} weights − {} reserve = {} for the KV cache; sequences of {} tokens",
         gib(vram),
