@@ -834,15 +834,13 @@ impl KvCache {
                 );
             }
         }
-        let scheme = &self.config.scheme;
-        let rows = scheme.window_rows();
-        if rows > 0 {
+        let window = self.config.scheme.value_window;
+        if window > 0 {
             // The window's rows of the blocks holding the last R positions.
-            let first = (s.len.saturating_sub(scheme.value_window) / g * g).max(sinks);
-            let at = layout.window_offset();
+            let first = (s.len.saturating_sub(window) / g * g).max(sinks);
             for head in 0..h {
                 for pos in first..s.len {
-                    out.extend_from_slice(&state[at + (head * rows + pos % rows) * row..][..row]);
+                    out.extend_from_slice(&state[layout.window_row_offset(head, pos)..][..row]);
                 }
             }
         }

@@ -176,10 +176,13 @@ impl Layout {
         self.residual[stream as usize]
     }
 
-    /// Byte offset, in one slot's state of one layer, of the value window: KV head `h`'s row of
-    /// position `p` is row `h · W + p % W`, `W = scheme.window_rows()`.
-    pub(crate) fn window_offset(&self) -> usize {
-        self.window_v
+    /// Byte offset, in one slot's state of one layer, of the value-window row of `position` for
+    /// KV head `head`: row `head · W + position % W`, `W = scheme.window_rows()` (the rule
+    /// `hip/write.hip` and `hip/attention.hip` follow; the emulator tests compare them). A
+    /// block's rows are consecutive window rows, W being a multiple of the block.
+    pub(crate) fn window_row_offset(&self, head: usize, position: usize) -> usize {
+        let rows = self.spec.scheme.window_rows();
+        self.window_v + (head * rows + position % rows) * self.spec.head_dim * 2
     }
 
     /// The partial-output rows (query token × query head) a workspace for `limits` holds per
@@ -314,7 +317,11 @@ mod tests {
         assert!(k.residual_offset(Stream::K) >= 2 * 2 * 4 * 64 * 2);
         // KIVI's value window adds 128 + 32 f16 value rows per KV head, after the rest.
         let w = Layout::new(spec("kivi2,sinks=4")).unwrap();
-        assert_eq!(w.window_offset(), k.state_bytes());
+        assert_eq!(w.window_row_offset(0, 0), k.state_bytes());
+        assert_eq!(
+            w.window_row_offset(1, 160 + 3),
+            k.state_bytes() + (160 + 3) * 64 * 2
+        );
         assert_eq!(w.state_bytes(), k.state_bytes() + 2 * 160 * 64 * 2);
     }
 

@@ -253,13 +253,13 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
     // The value window's rows, as `write_window`: a token's row goes to row `pos % W` (W = R +
     // block_tokens) unless the batch's token W places later holds position pos + W of the
     // same sequence.
-    let window = if kind == Stream::V && g.value_window > 0 {
-        (g.value_window + g.block_tokens) as usize
+    let window = if kind == Stream::V {
+        layout.scheme().window_rows()
     } else {
         0
     };
     let window_at = |slot: usize, head: usize, pos: usize| {
-        layer_state(slot) + layout.window_offset() + ((head * window + pos % window) * d) * 2
+        layer_state(slot) + layout.window_row_offset(head, pos)
     };
     let in_window = |i: usize, t: &Target| {
         let j = i + window;

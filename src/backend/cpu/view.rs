@@ -136,7 +136,6 @@ impl<'a> CacheView<'a> {
             });
         }
         let window = s.value_window;
-        let window_rows = window + g;
         for p in pages.start..pages.end.min(self.pages(seq.len)) {
             let first_pos = p * g;
             let begin = s.sinks.saturating_sub(first_pos).min(g);
@@ -180,8 +179,7 @@ impl<'a> CacheView<'a> {
             // The window's R + g rows hold every position of the blocks holding the last R,
             // a block's in consecutive rows.
             let v = if window > 0 && first_pos + g + window > seq.len {
-                let at = layout.window_offset()
-                    + (head * window_rows + (first_pos + begin) % window_rows) * row;
+                let at = layout.window_row_offset(head, first_pos + begin);
                 StreamBlock::f16_rows(&seq.state[at..at + (end - begin) * row], d)
             } else {
                 stream(Stream::V, begin, end)
