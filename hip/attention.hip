@@ -621,7 +621,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 
 #if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
 // hipkv_attn_prep: grid (tokens, kv_heads), one wave. The query rows of one token and KV head
-// converted to f32 and scaled by softmax_scale · log2(e), laid out [KV head][token][GQA
+// converted to f32 (rotated by H/√d when keys are) and scaled by softmax_scale · log2(e), laid out [KV head][token][GQA
 // row][channel]; their sums over each key parameter group, [KV head][group][token][GQA row];
 // and the partial sums of every split cleared, so a row no workgroup reaches reads as empty.
 HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
@@ -632,20 +632,29 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
     const uint32_t groups = d / group;
     const float factor = p.softmax_scale * 1.4426950408889634f;
     const size_t elem_bytes = p.dtype == HIPKV_DTYPE_F32 ? 4 : 2;
+    // Rotated keys: the query is rotated the same way, (Hq)·(Hk) = q·k.
+    const bool rotate = g.rotate & 1u;
+    __shared__ float rotated[HIPKV_MAX_HEAD_DIM];
     for (uint32_t j = 0; j < gqa; ++j) {
         const size_t in = ((size_t)token * g.kv_heads * gqa + head * gqa + j) * d;
         const size_t row = ((size_t)head * p.tokens + token) * gqa + j;
         const uint8_t *src = static_cast<const uint8_t *>(p.q) + in * elem_bytes;
+        const auto load = [&](uint32_t c) {
+            if (p.dtype == HIPKV_DTYPE_F16)
+                return hipkv::half_to_float(reinterpret_cast<const uint16_t *>(src)[c]);
+            if (p.dtype == HIPKV_DTYPE_BF16)
+                return hipkv::bf16_to_float(reinterpret_cast<const uint16_t *>(src)[c]);
+            return reinterpret_cast<const float *>(src)[c];
+        };
+        if (rotate) {
+            hipkv::wave_sync();  // the lanes are done reading the previous row
+            for (uint32_t c = lane; c < d; c += HIPKV_WAVE) rotated[c] = load(c);
+            hipkv::hadamard_wave(rotated, d);
+        }
         for (uint32_t gi = 0; gi < groups; ++gi) {
             float sum = 0.0f;
             for (uint32_t c = gi * group + lane; c < (gi + 1) * group; c += HIPKV_WAVE) {
-                float x;
-                if (p.dtype == HIPKV_DTYPE_F16)
-                    x = hipkv::half_to_float(reinterpret_cast<const uint16_t *>(src)[c]);
-                else if (p.dtype == HIPKV_DTYPE_BF16)
-                    x = hipkv::bf16_to_float(reinterpret_cast<const uint16_t *>(src)[c]);
-                else
-                    x = reinterpret_cast<const float *>(src)[c];
+                float x = rotate ? rotated[c] : load(c);
                 x *= factor;
                 p.q_f32[row * d + c] = x;
                 sum += x;
@@ -666,7 +675,8 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
 
 // hipkv_attn_combine: grid (tokens × q_heads), one wave per output row, lanes over channels:
 // `Σ 2^(m_s − M)·acc_s / Σ 2^(m_s − M)·l_s` over the splits with `l_s > 0` (0 when none has
-// any: a skipped sequence), written in the output dtype.
+// any: a skipped sequence), rotated back by H/√d when values are stored rotated, written in the
+// output dtype.
 HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     const hipkv_paged_geometry &g = p.g;
     const uint32_t q_heads = g.kv_heads * g.gqa;
@@ -685,6 +695,18 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
         if (p.partial_sum[at] > 0.0f) total += hipkv::exp2(p.partial_max[at] - m) * p.partial_sum[at];
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const auto store = [&](uint32_t c, float o) {
+        const size_t out = (size_t)row * d + c;
+        if (p.dtype == HIPKV_DTYPE_F16)
+            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_half(o);
+        else if (p.dtype == HIPKV_DTYPE_BF16)
+            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_bf16(o);
+        else
+            static_cast<float *>(p.out)[out] = o;
+    };
+    // Rotated values: the output is rotated back, H·Σ p·(Hv) = Σ p·v.
+    const bool rotate = g.rotate & 2u;
+    __shared__ float rotated[HIPKV_MAX_HEAD_DIM];
     for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) {
         float o = 0.0f;
         for (uint32_t s = 0; s < p.splits; ++s) {
@@ -693,13 +715,14 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
                 o += hipkv::exp2(p.partial_max[at] - m) * p.partial_acc[at * d + c];
         }
         o *= inv;
-        const size_t out = (size_t)row * d + c;
-        if (p.dtype == HIPKV_DTYPE_F16)
-            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_half(o);
-        else if (p.dtype == HIPKV_DTYPE_BF16)
-            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_bf16(o);
+        if (rotate)
+            rotated[c] = o;
         else
-            static_cast<float *>(p.out)[out] = o;
+            store(c, o);
+    }
+    if (rotate) {
+        hipkv::hadamard_wave(rotated, d);
+        for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) store(c, rotated[c]);
     }
 }
 #endif

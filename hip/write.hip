@@ -15,7 +15,9 @@
 //                   residual window, launched after;
 //   value window:   values also go f16 to the slot state's window row `pos % W` (W = R +
 //                   block_tokens), unless the batch holds position pos + W of the sequence
-//                   (whose row takes the slot).
+//                   (whose row takes the slot);
+//   rotation:       a stream the scheme rotates (`rot`) has each input row rotated by H/√d in
+//                   LDS as it is read, before any of the above.
 // Every index a server passed is checked before anything is written: a token that fails
 // writes nothing and is reported in the sticky error word.
 #include "hipkv_device.h"
@@ -146,13 +148,25 @@ struct Row {
     const uint16_t *f16;
 };
 
+// A stream the scheme rotates (`g.rotate`) is read whole into LDS and rotated there first, so
+// every path (sinks, windows, blocks) stores rotated rows. Every lane must call it.
+template <int D>
 HIPKV_DEV Row input_row(const hipkv_write_params &p, uint32_t token, uint32_t head) {
+    __shared__ float rotated[D];
     Row r;
-    const size_t elem = ((size_t)token * p.g.kv_heads + head) * p.g.head_dim;
+    const size_t elem = ((size_t)token * p.g.kv_heads + head) * D;
     const size_t size = p.dtype == HIPKV_DTYPE_F32 ? 4 : 2;
     r.x = static_cast<const uint8_t *>(p.x) + elem * size;
     r.dtype = p.dtype;
     r.f16 = nullptr;
+    if (p.g.rotate & (1u << p.stream)) {
+        wave_sync();  // the lanes are done reading the previous row
+        for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE)
+            rotated[c] = load_input(r.x, r.dtype, c);
+        hadamard_wave(rotated, D);
+        r.x = rotated;
+        r.dtype = HIPKV_DTYPE_F32;
+    }
     return r;
 }
 
@@ -179,6 +193,7 @@ HIPKV_DEV uint16_t *residual_rows(const hipkv_write_params &p, uint8_t *state, u
 // Row `t` of the block whose last position `last` the wave of batch token `token` writes: from
 // this batch when a token of the same slot holds that position (the batch lists a sequence's
 // tokens in order), from the residual window otherwise.
+template <int D>
 HIPKV_DEV Row block_row(const hipkv_write_params &p, const Target &target, uint32_t token,
                         uint32_t head, uint32_t t) {
     const uint32_t back = p.g.block_tokens - 1 - t;
@@ -186,7 +201,7 @@ HIPKV_DEV Row block_row(const hipkv_write_params &p, const Target &target, uint3
     if (back <= token) {
         const uint32_t j = token - back;
         if ((uint32_t)p.seq_slots[j] == target.seq_slot && (uint32_t)p.positions[j] == pos)
-            return input_row(p, j, head);
+            return input_row<D>(p, j, head);
     }
     Row r;
     r.x = nullptr;
@@ -208,7 +223,7 @@ HIPKV_DEV void write_window(const hipkv_write_params &p, const Target &target, u
     if (j < p.tokens && (uint32_t)p.seq_slots[j] == target.seq_slot &&
         (uint32_t)p.positions[j] == target.pos + rows)
         return;
-    const Row src = input_row(p, token, head);
+    const Row src = input_row<D>(p, token, head);
     uint16_t *dst = reinterpret_cast<uint16_t *>(target.state + p.g.window_v) +
                     ((size_t)head * rows + target.pos % rows) * D;
     for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE)
@@ -356,24 +371,26 @@ HIPKV_DEV void quantize_block(const hipkv_write_params &p, const Target &target,
     HIPKV_ROLLED
     for (uint32_t t = skip; t < p.g.block_tokens; ++t) {
         float x[N];
-        load_lane<N>(block_row(p, target, token, head, t), c0, active, x);
+        load_lane<N>(block_row<D>(p, target, token, head, t), c0, active, x);
         if (p.outlier_lo) store_outliers<N, D>(p, block, t, head, c0, active, x);
         for (int i = 0; i < N; ++i) {
             lo[i] = fminf(lo[i], x[i]);
             hi[i] = fmaxf(hi[i], x[i]);
         }
     }
-    if (!active) return;
+    // Lanes without channels stay to the end: reading a rotated row takes the whole wave.
     float scale[N], min[N];
     for (int i = 0; i < N; ++i) {
         asym_params<F>(lo[i], hi[i], &scale[i], &min[i]);
+        if (!active) continue;
         store_u16(block + l.params + 4 * (c0 + i), float_to_half(scale[i]));
         store_u16(block + l.params + 4 * (c0 + i) + 2, float_to_half(min[i]));
     }
     HIPKV_ROLLED
     for (uint32_t t = skip; t < p.g.block_tokens; ++t) {
         float x[N];
-        load_lane<N>(block_row(p, target, token, head, t), c0, active, x);
+        load_lane<N>(block_row<D>(p, target, token, head, t), c0, active, x);
+        if (!active) continue;
         if (p.outlier_lo) clip<N, D>(p, head, c0, active, x);
         uint32_t codes[N];
         for (int i = 0; i < N; ++i) codes[i] = asym_code<F>(x[i], scale[i], min[i]);
@@ -396,7 +413,7 @@ HIPKV_DEV void write(const hipkv_write_params &p) {
         uint16_t *dst = reinterpret_cast<uint16_t *>(target.state + at) +
                         ((size_t)head * p.g.sinks + target.pos) * D;
         float x[N];
-        load_lane<N>(input_row(p, token, head), c0, active, x);
+        load_lane<N>(input_row<D>(p, token, head), c0, active, x);
         if (active)
             for (int i = 0; i < N; ++i) dst[c0 + i] = float_to_half(x[i]);
         return;
@@ -410,7 +427,7 @@ HIPKV_DEV void write(const hipkv_write_params &p) {
             quantize_block<F, D>(p, target, token, block, head);
     } else {
         float x[N];
-        load_lane<N>(input_row(p, token, head), c0, active, x);
+        load_lane<N>(input_row<D>(p, token, head), c0, active, x);
         if (p.outlier_lo) store_outliers<N, D>(p, block, target.offset, head, c0, active, x);
         quantize_row<F, D>(p, block, target.offset, c0, active, x);
     }
@@ -430,7 +447,7 @@ HIPKV_DEV void write_residual(const hipkv_write_params &p) {
     if (j < p.tokens && (uint32_t)p.seq_slots[j] == target.seq_slot &&
         (uint32_t)p.positions[j] == target.pos + ahead)
         return;
-    const Row src = input_row(p, token, head);
+    const Row src = input_row<D>(p, token, head);
     uint16_t *dst = residual_rows(p, target.state, head) + (size_t)target.offset * D;
     for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE)
         dst[c] = float_to_half(load_input(src.x, src.dtype, c));

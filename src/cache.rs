@@ -412,6 +412,14 @@ impl KvCache {
             // Rotation mixes channel pairs: a key within the f16 range may leave it.
             check_finite(Stream::K, &k, cfg.kv_heads, cfg.head_dim)?;
         }
+        // So does the Walsh–Hadamard rotation of a `rot` scheme, which the write kernels apply.
+        for (stream, data) in [(Stream::K, &k[..]), (Stream::V, v)] {
+            if cfg.scheme.rotation.applies(stream) {
+                let mut rotated = data.to_vec();
+                crate::quant::hadamard_rows(&mut rotated, cfg.head_dim);
+                check_finite(stream, &rotated, cfg.kv_heads, cfg.head_dim)?;
+            }
+        }
 
         // Blocks for the new positions, taken now and given back if the write fails.
         let g = cfg.scheme.group_tokens;

@@ -2,9 +2,9 @@
 //!
 //! A [`Scheme`] picks a [`Format`] for keys and one for values independently, plus the options
 //! that change what is stored: the token group (page) size, f16 attention sinks, KIVI's f16 window
-//! of the most recent values, pre-RoPE keys and the dense-and-sparse outlier store. Schemes parse
-//! from and print to strings such as `kivi2`, `q8_0` or
-//! `k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,outliers`.
+//! of the most recent values, pre-RoPE keys, the dense-and-sparse outlier store and a
+//! Walsh–Hadamard rotation of each head. Schemes parse from and print to strings such as
+//! `kivi2`, `q8_0`, `q4_tok@64,rot` or `k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,outliers`.
 //!
 //! Storage unit: a *page* holds `group_tokens` consecutive tokens of one layer for every KV head.
 //! Inside a page each head owns one contiguous [`HeadLayout`] block: the K stream then the V stream,
@@ -288,6 +288,38 @@ impl Outliers {
     }
 }
 
+/// Which streams a scheme stores rotated by the orthonormal Walsh–Hadamard transform `H/√d` of
+/// each head (`quant::hadamard`). Rotation spreads an outlier channel's energy over every channel,
+/// so a per-token group's range is set by the row's norm rather than by its largest channel.
+/// Attention rotates the query once per step for rotated keys (`(Hq)·(Hk) = q·k`) and its output
+/// once per step for rotated values (`H·Σ p·Hv = Σ p·v`): nothing changes in the inner loop.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Rotation {
+    #[default]
+    None,
+    /// `rot=k`
+    Keys,
+    /// `rot=v`
+    Values,
+    /// `rot` (or `rot=kv`)
+    Both,
+}
+
+impl Rotation {
+    /// Whether `stream` is stored rotated.
+    pub fn applies(self, stream: Stream) -> bool {
+        matches!(
+            (self, stream),
+            (Rotation::Both, _) | (Rotation::Keys, Stream::K) | (Rotation::Values, Stream::V)
+        )
+    }
+
+    /// The ABI's bit set (`hipkv_paged_geometry::rotate`): 1 keys, 2 values.
+    pub fn abi_bits(self) -> u32 {
+        u32::from(self.applies(Stream::K)) | (u32::from(self.applies(Stream::V)) << 1)
+    }
+}
+
 /// A complete KV storage scheme: key format, value format and the options around them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Scheme {
@@ -305,6 +337,8 @@ pub struct Scheme {
     pub pre_rope: bool,
     /// Dense-and-sparse outlier store.
     pub outliers: Option<Outliers>,
+    /// Streams stored Walsh–Hadamard rotated.
+    pub rotation: Rotation,
 }
 
 /// Named presets, in the order `hipkv info` and `hipkv bench` list them.
@@ -327,6 +361,7 @@ impl Scheme {
             value_window: 0,
             pre_rope: false,
             outliers: None,
+            rotation: Rotation::None,
         }
     }
 
@@ -398,6 +433,21 @@ impl Scheme {
             return Err(Error::Unsupported(
                 "pre_rope needs RoPE configured in the cache".into(),
             ));
+        }
+        if self.rotation != Rotation::None {
+            if self.outliers.is_some() {
+                return Err(Error::Unsupported(
+                    "rot with outliers: outlier thresholds are per stored channel, and rotation \
+                     is the alternative to a sparse store"
+                        .into(),
+                ));
+            }
+            if self.pre_rope && self.rotation.applies(Stream::K) {
+                return Err(Error::Unsupported(
+                    "rotated keys (rot, rot=k) with pre_rope: RoPE acts on unrotated channels"
+                        .into(),
+                ));
+            }
         }
         if let Some(o) = self.outliers {
             if !(o.fraction > 0.0 && o.fraction < 0.5) {
@@ -544,6 +594,12 @@ impl fmt::Display for Scheme {
                 write!(f, ",outlier_slots={c}")?;
             }
         }
+        match self.rotation {
+            Rotation::None => {}
+            Rotation::Keys => f.write_str(",rot=k")?,
+            Rotation::Values => f.write_str(",rot=v")?,
+            Rotation::Both => f.write_str(",rot")?,
+        }
         Ok(())
     }
 }
@@ -553,7 +609,8 @@ impl FromStr for Scheme {
 
     /// Parses `preset[,option…]` or `k=FMT,v=FMT[,option…]`. Options: `g=32|64`, `sinks=N`,
     /// `rv=N` (value window; the `kivi*` presets' default is 128, others' 0), `pre_rope`,
-    /// `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`.
+    /// `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`, `rot` (keys and
+    /// values), `rot=k` or `rot=v`.
     fn from_str(s: &str) -> Result<Self> {
         let mut k = None;
         let mut v = None;
@@ -599,6 +656,9 @@ impl FromStr for Scheme {
                         })?)
                 }
                 ("outlier_slots", Some(n)) => outlier_slots = Some(num(key, n)?),
+                ("rot", None | Some("kv")) => scheme.rotation = Rotation::Both,
+                ("rot", Some("k")) => scheme.rotation = Rotation::Keys,
+                ("rot", Some("v")) => scheme.rotation = Rotation::Values,
                 _ => {
                     return Err(Error::ParseScheme(format!(
                         "unknown item `{item}` in `{s}` (presets: {})",
@@ -776,6 +836,9 @@ mod tests {
             "k=q4_chan,v=q8_0,outliers=kv,outlier_frac=0.02,outlier_slots=3",
             "k=q2_tok@head,v=q4_tok@128",
             "k=f16,v=q2_chan,sinks=1",
+            "q4_tok,rot",
+            "k=q4_chan,v=q4_tok@64,rv=128,rot=v",
+            "k=q4_tok@64,v=q2_tok@64,g=64,rot=k",
         ] {
             let s: Scheme = text.parse().unwrap();
             assert_eq!(s.to_string(), text);
@@ -805,6 +868,7 @@ mod tests {
             "q8,q8",
             "kivi2,rv=100",
             "kivi2,rv=-1",
+            "q4_tok,rot=q",
         ] {
             assert!(
                 matches!(text.parse::<Scheme>(), Err(Error::ParseScheme(_))),
@@ -872,6 +936,24 @@ mod tests {
             m.total(),
             m.sink_bytes + m.page_bytes + m.residual_bytes + m.window_bytes
         );
+    }
+
+    #[test]
+    fn rotation_excludes_pre_rope_keys_and_outliers() {
+        let check = |text: &str| text.parse::<Scheme>().unwrap().validate(64, true);
+        for ok in ["q4_tok,rot", "kivi2,pre_rope,rot=v", "q8,rot=k"] {
+            assert!(check(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "q4_tok,rot,pre_rope",
+            "kivi2,rot=k,pre_rope",
+            "q4_tok,rot=v,outliers",
+        ] {
+            assert!(matches!(check(bad), Err(Error::Unsupported(_))), "{bad}");
+        }
+        let both: Scheme = "q4_tok,rot=kv".parse().unwrap();
+        assert_eq!(both.rotation.abi_bits(), 3);
+        assert_eq!(both.to_string(), "q4_tok,rot");
     }
 
     #[test]

@@ -168,3 +168,24 @@ fn rope_before_and_after_quantization() {
         check(cfg, scheme.contains("outliers").then_some(0.7), 40);
     }
 }
+
+#[test]
+fn rotated_rows_are_stored_bit_for_bit() {
+    // Every format rotated at every head_dim, with sinks, value windows and per-channel keys.
+    for (i, f) in FORMATS.iter().enumerate() {
+        for d in [64, 128, 256] {
+            check(
+                config(&format!("k={f},v={f},rot"), 2, 1, d, 0),
+                None,
+                50 + i as u64,
+            );
+        }
+    }
+    for (scheme, d) in [
+        ("kivi2,g=64,sinks=3,rot=v", 128),
+        ("k=q4_tok@64,v=q2_tok@head,sinks=2,rv=32,rot=k", 64),
+        ("kivi4,rot", 256),
+    ] {
+        check(config(scheme, 3, 1, d, 0), None, 60);
+    }
+}

@@ -22,6 +22,27 @@ unsafe extern "C" {
     fn hipkv_ffi_codes8(format: i32, row: *const u8, c: u32, out: *mut f32);
     fn hipkv_ffi_chunk_codes8(format: i32, chunk: *const u8, j: i32, out: *mut f32);
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
+    fn hipkv_ffi_hadamard(x: *mut f32, head_dim: u32);
+}
+
+#[test]
+fn rotation_agrees_bit_for_bit() {
+    let mut rng = Rng::new(41);
+    for d in [64usize, 128, 256] {
+        for scale in [1e-3f32, 1.0, 3e3] {
+            let x: Vec<f32> = (0..d).map(|_| scale * rng.normal()).collect();
+            let mut rust = x.clone();
+            quant::hadamard(&mut rust);
+            let mut cpp = x;
+            // SAFETY: `cpp` holds `d` floats, rotated in place.
+            unsafe { hipkv_ffi_hadamard(cpp.as_mut_ptr(), d as u32) };
+            assert_eq!(
+                rust.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                cpp.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "head_dim {d}"
+            );
+        }
+    }
 }
 
 #[test]

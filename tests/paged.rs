@@ -50,6 +50,14 @@ fn mixed_batches_of_decodes_and_prefill_chunks_match_the_reference() {
         ("q2_tok,pre_rope,sinks=2", 4, 64, DType::F32),
         ("kivi2,rv=32,sinks=3", 2, 64, DType::F32),
         ("kivi2,rv=0", 4, 64, DType::BF16),
+        ("k=q4_tok@64,v=q4_tok@64,rot", 2, 128, DType::F16),
+        (
+            "k=q4_chan,v=q2_tok,rv=64,sinks=3,pre_rope,rot=v",
+            4,
+            64,
+            DType::F32,
+        ),
+        ("k=q2_tok,v=q8,sinks=2,rot=k", 2, 256, DType::BF16),
     ];
     for backend in backends() {
         for (scheme, gqa, d, dtype) in cases {

@@ -1,6 +1,7 @@
 //! A seeded sweep of random configurations through the paged API on the emulated device (the
 //! HIP kernels' own code): any key format with any value format, sinks, 32- or 64-token blocks,
-//! value windows, outlier stores, pre-RoPE keys, head_dim 64/128/256, GQA 1 to 16, f16/bf16/f32, batches of
+//! value windows, outlier stores, pre-RoPE keys, rotation, head_dim 64/128/256, GQA 1 to 16,
+//! f16/bf16/f32, batches of
 //! decodes and prefill chunks of random lengths over sequences of random lengths, forks. Each
 //! output is compared with a naive attention over the sequence's stored tokens.
 //!
@@ -68,15 +69,25 @@ fn random_config(rng: &mut Rng) -> Config {
     if v != "f16" && rng.below(3) == 0 {
         scheme += &format!(",rv={}", [32, 64, 128][rng.below(3)].max(block));
     }
-    if rng.below(4) == 0 {
+    let outliers = rng.below(4) == 0;
+    if outliers {
         scheme += if rng.below(2) == 0 {
             ",outliers"
         } else {
             ",outliers=kv"
         };
     }
-    if rng.below(5) == 0 {
+    let pre_rope = rng.below(5) == 0;
+    if pre_rope {
         scheme += ",pre_rope";
+    }
+    // Rotation excludes outlier stores, and rotated keys exclude pre-RoPE keys.
+    if !outliers && rng.below(4) == 0 {
+        scheme += if pre_rope {
+            ",rot=v"
+        } else {
+            [",rot", ",rot=k", ",rot=v"][rng.below(3)]
+        };
     }
     // Mostly head_dim 64: the emulator's time grows with it.
     let head_dim = [64, 64, 64, 128, 256][rng.below(5)];

@@ -48,3 +48,10 @@ extern "C" void hipkv_ffi_chunk_codes8(int format, const uint8_t *chunk, int j, 
 
 // HIPKV_ROWS(head_dim), for the Rust mirror's test.
 extern "C" uint32_t hipkv_ffi_rows(uint32_t head_dim) { return HIPKV_ROWS(head_dim); }
+
+// The rotation of `rot` schemes, one butterfly at a time in the kernels' order.
+extern "C" void hipkv_ffi_hadamard(float *x, uint32_t d) {
+    for (uint32_t h = 1; h < d; h *= 2)
+        for (uint32_t b = 0; b < d / 2; ++b) hipkv::hadamard_butterfly(x, b, h);
+    for (uint32_t c = 0; c < d; ++c) x[c] *= hipkv::hadamard_scale(d);
+}

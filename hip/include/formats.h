@@ -175,6 +175,43 @@ HIPKV_HD float dequant1(const uint8_t *row, const uint8_t *params, uint32_t t, u
     return min + scale * code;
 }
 
+// The rotation of `rot` schemes (`src/quant/rotation.rs`): H/√d of one head, in stages of
+// stride h = 1, 2, …, d/2, each butterfly (a, b) → (a + b, a − b), then one multiplication by
+// `hadamard_scale(d)`. The same steps in the same order on every side, so the stored bytes agree.
+#define HIPKV_MAX_HEAD_DIM 256
+
+// 1/√d rounded to f32, for head_dim 64, 128 or 256.
+HIPKV_HD float hadamard_scale(uint32_t d) {
+    return d == 64 ? 0.125f : d == 128 ? 0.0883883476483184405f : 0.0625f;
+}
+
+// Butterfly `b` (of d/2) of the stage of stride `h`: elements i (bit h clear) and i + h.
+HIPKV_HD void hadamard_butterfly(float *x, uint32_t b, uint32_t h) {
+    const uint32_t i = ((b & ~(h - 1)) << 1) | (b & (h - 1));
+    const float lo = x[i], hi = x[i + h];
+    x[i] = lo + hi;
+    x[i + h] = lo - hi;
+}
+
 }  // namespace hipkv
+
+#if defined(HIPKV_EMU) || defined(__HIPCC__) || defined(__HIP__) || defined(__CUDACC__)
+namespace hipkv {
+
+// Rotates the `d` floats at `x`, in LDS, by H/√d, with the lanes of one wave: lane i takes
+// butterflies i, i + 32, … of every stage. Every lane must call it; the wave may read `x` after.
+HIPKV_DEV void hadamard_wave(float *x, uint32_t d) {
+    wave_sync();
+    for (uint32_t h = 1; h < d; h *= 2) {
+        for (uint32_t b = lane_id(); b < d / 2; b += HIPKV_WAVE) hadamard_butterfly(x, b, h);
+        wave_sync();
+    }
+    const float scale = hadamard_scale(d);
+    for (uint32_t c = lane_id(); c < d; c += HIPKV_WAVE) x[c] *= scale;
+    wave_sync();
+}
+
+}  // namespace hipkv
+#endif
 
 #endif

@@ -103,6 +103,10 @@ typedef struct hipkv_paged_geometry {
     uint32_t max_positions;     // tokens a sequence may hold
     uint32_t pre_rope;          // 1: keys are stored unrotated; attention rotates them
     uint32_t rope_pairs_interleaved; // 1: pairs (2i, 2i+1); 0: halves (i, i + head_dim/2)
+    // Streams stored rotated by the orthonormal Walsh–Hadamard transform of each head (bit 0:
+    // keys, bit 1: values): write rotates the rows before storing anything, prep rotates the
+    // queries (keys), combine the outputs (values).
+    uint32_t rotate;
     // Per slot, per layer: `state_bytes`; within it, byte offsets of the f16 sink rows of K and
     // V (kv_heads × sinks × head_dim each), of the residual windows of per-channel streams
     // (kv_heads × block_tokens × head_dim each; unused for per-token streams) and of the value
@@ -153,12 +157,13 @@ typedef struct hipkv_write_params {
 // attend: queries of a varlen batch (sequence s has query tokens
 // query_start_loc[s] .. query_start_loc[s + 1], the last ones of its seq_lens[s] tokens, each
 // attending causally). Three launches:
-//   hipkv_attn_prep: grid (tokens, kv_heads): converts q to f32 scaled by
-//     softmax_scale · log2(e), the per-group query sums, and clears the partial sums;
+//   hipkv_attn_prep: grid (tokens, kv_heads): converts q to f32 (rotated for rotated keys)
+//     scaled by softmax_scale · log2(e), the per-group query sums, and clears the partial sums;
 //   hipkv_attn_<kf>_<vf>_d<head_dim>: grid (num_seqs × tiles_per_seq, kv_heads, splits),
 //     `waves` waves per workgroup; a workgroup computes a tile of waves × HIPKV_ROWS(head_dim)
 //     query rows (token × GQA head) of one KV head over one split of the pages;
-//   hipkv_attn_combine: grid (tokens × q_heads): merges the splits into `out` (dtype).
+//   hipkv_attn_combine: grid (tokens × q_heads): merges the splits into `out` (dtype), rotated
+//     back for rotated values.
 typedef struct hipkv_attn_params {
     hipkv_paged_geometry g;
     uint32_t dtype;             // hipkv_dtype of q and out

@@ -105,6 +105,7 @@ pub struct hipkv_paged_geometry {
     pub max_positions: u32,
     pub pre_rope: u32,
     pub rope_pairs_interleaved: u32,
+    pub rotate: u32,
     pub state_bytes: u64,
     pub sinks_k: u32,
     pub sinks_v: u32,
@@ -143,6 +144,8 @@ const _: () = {
         [::std::mem::offset_of!(hipkv_paged_geometry, pre_rope) - 44usize];
     ["Offset of field: hipkv_paged_geometry::rope_pairs_interleaved"]
         [::std::mem::offset_of!(hipkv_paged_geometry, rope_pairs_interleaved) - 48usize];
+    ["Offset of field: hipkv_paged_geometry::rotate"]
+        [::std::mem::offset_of!(hipkv_paged_geometry, rotate) - 52usize];
     ["Offset of field: hipkv_paged_geometry::state_bytes"]
         [::std::mem::offset_of!(hipkv_paged_geometry, state_bytes) - 56usize];
     ["Offset of field: hipkv_paged_geometry::sinks_k"]

@@ -263,6 +263,7 @@ impl Layout {
                 s.rope
                     .is_none_or(|r| r.layout == crate::rope::RopeLayout::Interleaved),
             ),
+            rotate: s.scheme.rotation.abi_bits(),
             state_bytes: self.state_bytes as u64,
             sinks_k: u(self.sinks[0]),
             sinks_v: u(self.sinks[1]),

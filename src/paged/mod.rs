@@ -663,7 +663,7 @@ impl PagedCache {
 
     /// Dequantizes positions `0..len` of the sequence in slot `slot` whose blocks are `blocks`,
     /// from layer cache `cache`: `(k, v)`, each `len × kv_heads × head_dim`, keys as attention
-    /// sees them (rotated where stored before RoPE). For tests and inspection: it waits for the
+    /// sees them (rotated by RoPE where stored before it), a `rot` scheme's rows rotated back. For tests and inspection: it waits for the
     /// default stream and copies the layer to the host; attention never makes this copy.
     pub fn read_back(
         &self,
@@ -741,6 +741,7 @@ impl PagedCache {
             blocks,
             state: &state,
         };
+        let rotation = spec.scheme.rotation;
         let mut k = vec![0f32; len * h * d];
         let mut v = vec![0f32; len * h * d];
         for head in 0..h {
@@ -750,6 +751,13 @@ impl PagedCache {
                     let at = (pos * h + head) * d;
                     block.k.dequantize(t, &mut k[at..at + d]);
                     block.v.dequantize(t, &mut v[at..at + d]);
+                    // H/√d is its own inverse.
+                    if rotation.applies(Stream::K) {
+                        crate::quant::hadamard(&mut k[at..at + d]);
+                    }
+                    if rotation.applies(Stream::V) {
+                        crate::quant::hadamard(&mut v[at..at + d]);
+                    }
                     if let Some(rope) = &self.rope_table {
                         rope.rotate(&mut k[at..at + d], pos);
                     }

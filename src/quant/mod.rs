@@ -8,8 +8,10 @@
 //! 0 and dequantizes exactly to its minimum; an all-zero group of a symmetric format gets scale 0.
 
 mod outliers;
+mod rotation;
 
 pub use outliers::{Outlier, OutlierThresholds, split_outliers};
+pub use rotation::{hadamard, hadamard_rows, hadamard_scale};
 
 use half::f16;
 

@@ -238,13 +238,18 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
     });
     let x = p.x.cast::<u8>();
     let dtype = p.dtype;
-    // Row `token` of `head` of the input, rounded to f16 as stored.
+    let rotated = layout.scheme().rotation.applies(kind);
+    // Row `token` of `head` of the input (rotated where the scheme says), rounded to f16 as
+    // stored.
     let input = |token: usize, head: usize| -> Vec<f32> {
         let at = (token * heads + head) * d;
         // SAFETY: the input holds `tokens × kv_heads × head_dim` elements.
-        (0..d)
-            .map(|c| quant::round_f16(unsafe { load(x, dtype, at + c) }))
-            .collect()
+        let mut row: Vec<f32> = (0..d).map(|c| unsafe { load(x, dtype, at + c) }).collect();
+        if rotated {
+            quant::hadamard(&mut row);
+        }
+        row.iter_mut().for_each(|v| *v = quant::round_f16(*v));
+        row
     };
     let layer_state = |slot: usize| slot * p.slot_state_bytes as usize + p.layer_state as usize;
     let residual_at = |slot: usize, head: usize, row: usize| {
@@ -465,9 +470,12 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
             state: &state[at..at + layout.state_bytes()],
         });
         // SAFETY: `q` holds `tokens × q_heads × head_dim` elements of the dtype.
-        let q = (start * width..(start + q_len) * width)
+        let mut q: Vec<f32> = (start * width..(start + q_len) * width)
             .map(|i| unsafe { load(p.q.cast(), p.dtype, i) })
             .collect();
+        if spec.scheme.rotation.applies(Stream::K) {
+            quant::hadamard_rows(&mut q, spec.head_dim);
+        }
         queries.push((start, q));
     }
     let mut outs: Vec<Vec<f32>> = queries.iter().map(|(_, q)| vec![0f32; q.len()]).collect();
@@ -482,6 +490,11 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
         rope,
     };
     super::attend(&view, &seqs, &mut batch, p.softmax_scale);
+    if spec.scheme.rotation.applies(Stream::V) {
+        for o in &mut outs {
+            quant::hadamard_rows(o, spec.head_dim);
+        }
+    }
     // Every output row: a skipped sequence's are zero, as the kernels leave them.
     let mut rows = vec![0f32; tokens * width];
     for ((start, _), o) in queries.iter().zip(&outs) {
