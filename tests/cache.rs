@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{config, with_rope};
+use common::{config, fill, naive_attend, rel_err, with_rope};
 use hipkv::quant::{self, dequantize_chan_row, dequantize_row, quantize_chan, quantize_row};
 use hipkv::scheme::{HEAD_DIMS, PRESETS};
 use hipkv::synth::{Rng, keys_with_outlier_channels};
@@ -1071,4 +1071,59 @@ fn formats_doc_numbers_match_the_code() {
         "docs/formats.md lacks these lines:\n{}",
         missing.join("\n")
     );
+}
+
+/// `rot` stores rows rotated and rotates queries and outputs: on f16 storage attention is the
+/// unrotated cache's up to f16 rounding of rotated rows, and with outlier channels in the keys it
+/// lowers a per-token format's error, which is what it is for.
+#[test]
+fn rotation_is_transparent_and_helps_per_token_keys() {
+    let (d, n) = (128, 96);
+    let err = |name: &str| {
+        let cfg = config(name, 2, 4, d, n);
+        let mut cache = KvCache::new(cfg).unwrap();
+        let mut rng = Rng::new(21);
+        fill(&mut cache, 0, n, 40, &mut rng);
+        let q = rng.normals(3 * cfg.q_heads * d);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0f32; q.len()];
+        cache.attend(0, 0, &q, scale, &mut out).unwrap();
+        // Reads rotate back: the reference sees the rows as the cache holds them.
+        let want = naive_attend(&cache, 0, &q, scale);
+        assert!(rel_err(&out, &want) < 1e-5, "{name}: against its own rows");
+        let exact = {
+            let mut f16 = KvCache::new(config("f16", 2, 4, d, n)).unwrap();
+            fill(&mut f16, 0, n, 40, &mut Rng::new(21));
+            naive_attend(&f16, 0, &q, scale)
+        };
+        rel_err(&out, &exact)
+    };
+    assert!(err("f16,rot") < 2e-3, "f16,rot: {}", err("f16,rot"));
+    // Gaussian values gain nothing from rotation: the keys (two outlier channels) are the test.
+    let (plain, rotated) = (err("k=q4_tok,v=f16"), err("k=q4_tok,v=f16,rot=k"));
+    assert!(
+        rotated < 0.7 * plain,
+        "q4_tok keys: {plain}, rotated: {rotated}"
+    );
+}
+
+/// A row within the f16 range can leave it once Walsh–Hadamard rotated (a constant row of
+/// 20000 becomes one element of 20000·√64): refused as `NonFinite`, nothing written.
+#[test]
+fn hadamard_overflow_is_refused_and_writes_nothing() {
+    for name in ["q4_tok,rot", "k=f16,v=q8,rot=v"] {
+        let cfg = config(name, 1, 1, 64, 8);
+        let mut cache = KvCache::new(cfg).unwrap();
+        cache.append(0, 0, &[0.5; 64], &[0.25; 64]).unwrap();
+        let before = snapshot(&cache, 0, 0);
+        let big = vec![20000f32; 64];
+        let (k, v) = if name.starts_with("k=") {
+            (vec![1f32; 64], big)
+        } else {
+            (big, vec![1f32; 64])
+        };
+        let e = cache.append(0, 0, &k, &v).unwrap_err();
+        assert!(matches!(e, Error::NonFinite { .. }), "{name}: {e}");
+        assert_eq!(snapshot(&cache, 0, 0), before, "{name}");
+    }
 }

@@ -382,3 +382,35 @@ fn info_prints_what_fits_with_the_measured_kl() {
     assert!(err.contains("KV shape 30×3×128"), "{err}");
     std::fs::remove_file(&saved).unwrap();
 }
+
+/// `hipkv info | head -1`: the reader goes away after a line; the tool ends without a panic
+/// message (by SIGPIPE, as Unix tools do).
+#[cfg(unix)]
+#[test]
+fn a_closed_pipe_ends_the_output_quietly() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hipkv"))
+        .arg("info")
+        .env_remove("HIPKV_BACKEND")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run hipkv");
+    // Close the reading end before the tool writes.
+    drop(child.stdout.take());
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!stderr.contains("Broken pipe"), "{stderr}");
+    assert!(
+        !status.success() || stderr.is_empty(),
+        "{status:?}: {stderr}"
+    );
+}

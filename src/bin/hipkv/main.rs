@@ -98,6 +98,17 @@ struct EvalArgs {
     plots: Option<PathBuf>,
 }
 
+/// Rust ignores SIGPIPE, so `println!` into a closed pipe (`hipkv info | head`) panics; a command
+/// line tool should end quietly there, as the default disposition does.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: first thing in `main`, before any other thread exists; SIG_DFL is a valid
+    // disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// What `hipkv eval` measures when no schemes are given.
 const EVAL_SCHEMES: &str = "f16;q8;q8_0;q4_tok;q4_tok,outliers;kivi4;kivi4,outliers;\
     kivi4,pre_rope;kivi4,pre_rope,outliers;q2_tok;kivi2;kivi2,outliers;kivi2,pre_rope;\
@@ -106,17 +117,23 @@ const EVAL_SCHEMES: &str = "f16;q8;q8_0;q4_tok;q4_tok,outliers;kivi4;kivi4,outli
 /// What `hipkv eval --frontier` searches when no schemes are given: per budget at head_dim 64
 /// (full pages), the candidates that fill it: 8-bit (132–136 bytes), 4-bit keys and values at
 /// 64-token pages and 64-channel value groups (72), one of them 2-bit (56), both 2-bit (40);
-/// with and without the value window and pre-RoPE keys. The presets (80 and 48 bytes) anchor
-/// the table.
+/// with and without the value window, pre-RoPE keys and Walsh–Hadamard rotation (per-channel
+/// keys with rotated values, or both streams per token and rotated). The presets (80 and 48
+/// bytes) anchor the table.
 const FRONTIER_SCHEMES: &str = "q8_0;q8;kivi4;kivi4,pre_rope;kivi2;kivi2,pre_rope;\
     k=q4_chan,v=q4_tok@64,g=64,sinks=4;\
     k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128;\
     k=q4_chan,v=q4_tok@64,g=64,sinks=4,pre_rope;\
     k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v;\
+    k=q4_tok@64,v=q4_tok@64,g=64,sinks=4,rot;\
     k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v;\
     k=q4_chan,v=q2_tok@64,g=64,sinks=4,pre_rope;\
+    k=q4_tok@64,v=q2_tok@64,g=64,sinks=4,rot;\
     k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope;\
     k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope;\
+    k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v;\
     k=q2_chan,v=q2_tok@64,g=64,sinks=4,pre_rope";
 
 #[derive(Args)]
@@ -210,6 +227,7 @@ enum CliError {
 }
 
 fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info(args) => info(&args),
@@ -333,6 +351,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         "\nbytes/token counts codes, scales, minimums and outlier stores of full pages of 32 tokens.\n\
          outliers: ~1% of key elements kept exact in a sparse store ({outlier_slots} slots per token).\n\
          pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
+         rot (rot=k, rot=v): rows stored Walsh–Hadamard rotated; no bytes, one rotation of the\n\
+         query and of the output per step.\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
          tokens in the sub-8-bit presets), the residual page of q*_chan keys (32 tokens) and the\n\
          value window (rv=; kivi*: the last 128 tokens' values, in 128 + 32 rows)."
