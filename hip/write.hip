@@ -5,8 +5,9 @@
 // Grid (tokens, kv_heads); one wave per (new token, KV head). Lane i owns N consecutive channels
 // of a row (N = head_dim / 32, at least one byte of codes), so its codes pack into whole bytes:
 //   sinks:          f16 copy into the slot state's sink rows (never written to blocks);
-//   per-token:      clip outliers into the sparse store, then the row's scale (and minimum, per
-//                   channel group) from a min/max or |max| reduction over the lanes of the group,
+//   per-token:      outliers into the sparse store (clipped in the row), then the row's scale
+//                   (and minimum, per channel group) from a min/max or |max| reduction over the
+//                   lanes of the group,
 //                   then codes, into the token's slot of its block;
 //   per-channel:    the wave of a block's last position quantizes the whole block: outliers of
 //                   every row, per-channel min/max over its rows (sink positions left out; older
@@ -240,29 +241,26 @@ HIPKV_DEV void clip(const hipkv_write_params &p, uint32_t head, uint32_t c0, boo
     for (int i = 0; i < N; ++i) x[i] = x[i] < lo[i] ? lo[i] : (x[i] > hi[i] ? hi[i] : x[i]);
 }
 
-// Moves the outliers of row `t` of a head block into its sparse store and clips them in `x`,
-// as `quant::split_outliers` does: all of them when they fit in the row's slots, otherwise
-// the ones farthest outside their range (ties: lower channel first); in channel order either
-// way. Those left out stay clipped and are counted in `outliers_dropped`.
+// Selects the outliers of a row as `quant::split_outliers` does: all of them when they fit in
+// the row's slots, otherwise the ones farthest outside their range (ties: lower channel first).
+// The selected ones are clipped in `x` and flagged in `keep`; the others stay as they are.
+// Returns the row's number of outliers. Every lane must call it.
 template <int N, int D>
-HIPKV_DEV void store_outliers(const hipkv_write_params &p, uint8_t *block, uint32_t t,
-                              uint32_t head, uint32_t c0, bool active, float x[N]) {
+HIPKV_DEV uint32_t select_outliers(const hipkv_write_params &p, uint32_t head, uint32_t c0,
+                                   bool active, float x[N], bool keep[N]) {
     __shared__ float distances[D];
-    __shared__ uint32_t kept_by_lane[HIPKV_WAVE];
-    const hipkv_stream_layout &l = stream_layout(p);
-    const uint32_t cap = l.outlier_slots;
-    float exact[N], dist[N];
-    for (int i = 0; i < N; ++i) exact[i] = x[i];
-    clip<N, D>(p, head, c0, active, x);
+    const uint32_t cap = stream_layout(p).outlier_slots;
+    float clipped[N], dist[N];
+    for (int i = 0; i < N; ++i) clipped[i] = x[i];
+    clip<N, D>(p, head, c0, active, clipped);
     uint32_t found = 0;
     for (int i = 0; i < N; ++i) {
-        dist[i] = fabsf(exact[i] - x[i]);
+        dist[i] = fabsf(x[i] - clipped[i]);
         found += dist[i] != 0.0f;
+        keep[i] = dist[i] != 0.0f;
     }
     // Counts up to head_dim are exact in f32.
     const uint32_t total = (uint32_t)wave_sum((float)found);
-    bool keep[N];
-    for (int i = 0; i < N; ++i) keep[i] = dist[i] != 0.0f;
     if (total > cap) {
         // Rank each outlier among all of the row's: it stays if fewer than `cap` come first.
         if (active)
@@ -279,6 +277,24 @@ HIPKV_DEV void store_outliers(const hipkv_write_params &p, uint8_t *block, uint3
         }
         barrier();
     }
+    for (int i = 0; i < N; ++i)
+        if (keep[i]) x[i] = clipped[i];
+    return total;
+}
+
+// Moves the selected outliers of row `t` of a head block (`select_outliers`) into its sparse
+// store, in channel order, clipping them in `x`. Those left out for lack of slots stay in the
+// dense row and are counted in `outliers_dropped`.
+template <int N, int D>
+HIPKV_DEV void store_outliers(const hipkv_write_params &p, uint8_t *block, uint32_t t,
+                              uint32_t head, uint32_t c0, bool active, float x[N]) {
+    __shared__ uint32_t kept_by_lane[HIPKV_WAVE];
+    const hipkv_stream_layout &l = stream_layout(p);
+    const uint32_t cap = l.outlier_slots;
+    float exact[N];
+    for (int i = 0; i < N; ++i) exact[i] = x[i];
+    bool keep[N];
+    const uint32_t total = select_outliers<N, D>(p, head, c0, active, x, keep);
     // Slot index of the lane's first kept outlier: the kept outliers of the lanes before it.
     uint32_t mine = 0;
     for (int i = 0; i < N; ++i) mine += keep[i];
@@ -390,8 +406,12 @@ HIPKV_DEV void quantize_block(const hipkv_write_params &p, const Target &target,
     for (uint32_t t = skip; t < p.g.block_tokens; ++t) {
         float x[N];
         load_lane<N>(block_row<D>(p, target, token, head, t), c0, active, x);
+        if (p.outlier_lo) {
+            // The outliers the first pass stored, clipped again (the same selection).
+            bool keep[N];
+            select_outliers<N, D>(p, head, c0, active, x, keep);
+        }
         if (!active) continue;
-        if (p.outlier_lo) clip<N, D>(p, head, c0, active, x);
         uint32_t codes[N];
         for (int i = 0; i < N; ++i) codes[i] = asym_code<F>(x[i], scale[i], min[i]);
         store_codes<F, N>(block + l.rows + (size_t)t * l.row_bytes + c0 * format_bits(F) / 8,

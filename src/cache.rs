@@ -208,7 +208,7 @@ impl KvCache {
         self.layers.iter().map(|l| l.cache.bytes()).sum::<usize>() + self.paged.state_pool_bytes()
     }
 
-    /// Outliers that did not fit their token's slots and were clipped instead.
+    /// Outliers that did not fit their token's slots and stayed in the dense row instead.
     pub fn outliers_dropped(&self) -> u64 {
         self.outliers_dropped
     }

@@ -150,7 +150,7 @@ typedef struct hipkv_write_params {
     const int32_t *positions;   // per token
     const float *outlier_lo;    // kv_heads × head_dim thresholds; null: no outlier store
     const float *outlier_hi;
-    uint64_t *outliers_dropped; // outliers clipped for lack of slots, added atomically
+    uint64_t *outliers_dropped; // outliers left in the dense row for lack of slots (atomic)
     hipkv_device_error *error;
 } hipkv_write_params;
 

@@ -352,7 +352,7 @@ pub struct SchemeReport {
     /// Bits per cached element once pages are full ([`Scheme::bytes_per_token`]).
     pub bits_per_element: f64,
     /// Outliers (elements outside the calibrated range) that found no free slot in their token's
-    /// sparse store and were clipped instead, over all layers; 0 without `outliers`.
+    /// sparse store and stayed in the dense row instead, over all layers; 0 without `outliers`.
     pub outliers_dropped: u64,
     pub depth: Vec<DepthBucket>,
 }

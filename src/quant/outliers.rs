@@ -1,5 +1,6 @@
 //! Dense-and-sparse outliers (KVQuant): per-channel thresholds calibrated from sample data;
-//! elements outside them are kept exactly in a sparse store and clipped in the dense part.
+//! elements outside them are kept exactly in a sparse store and clipped in the dense part (as
+//! many as the store has slots for; the rest stay in the dense part as they are).
 
 use half::f16;
 
@@ -100,35 +101,41 @@ impl OutlierThresholds {
 
 /// Splits one row into dense and sparse parts.
 ///
-/// Every element outside `[lo, hi]` is clipped to the range in `x` (the dense part). Up to
-/// `capacity` of them, those farthest outside (ties: lower channel first), are returned in channel
-/// order with their exact values; when a row has more outliers than slots, the rest stay clipped
-/// and are counted in the returned `dropped`.
+/// Of the elements outside `[lo, hi]`, up to `capacity`, those farthest outside (ties: lower
+/// channel first), are returned in channel order with their exact values and clipped to the
+/// range in `x` (the dense part), so they no longer stretch their group's range. When a row has
+/// more outliers than slots, the rest stay in the dense part unchanged, as without an outlier
+/// store, and are counted in the returned `dropped`: a store never makes a group's range wider
+/// than it would be without one.
 pub fn split_outliers(
     x: &mut [f32],
     lo: &[f32],
     hi: &[f32],
     capacity: usize,
 ) -> (Vec<Outlier>, usize) {
-    let mut found: Vec<(f32, Outlier)> = Vec::new();
-    for (c, v) in x.iter_mut().enumerate() {
-        let clipped = v.clamp(lo[c], hi[c]);
-        if clipped != *v {
-            found.push((
-                (*v - clipped).abs(),
-                Outlier {
+    let mut found: Vec<(f32, Outlier)> = x
+        .iter()
+        .enumerate()
+        .filter_map(|(c, &v)| {
+            let clipped = v.clamp(lo[c], hi[c]);
+            (clipped != v).then(|| {
+                let outlier = Outlier {
                     channel: c as u16,
-                    value: *v,
-                },
-            ));
-            *v = clipped;
-        }
-    }
+                    value: v,
+                };
+                ((v - clipped).abs(), outlier)
+            })
+        })
+        .collect();
     let dropped = found.len().saturating_sub(capacity);
     if dropped > 0 {
         found.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.channel.cmp(&b.1.channel)));
         found.truncate(capacity);
         found.sort_by_key(|f| f.1.channel);
+    }
+    for (_, o) in &found {
+        let c = usize::from(o.channel);
+        x[c] = x[c].clamp(lo[c], hi[c]);
     }
     (found.into_iter().map(|f| f.1).collect(), dropped)
 }

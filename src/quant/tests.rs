@@ -718,8 +718,9 @@ proptest! {
         }
     }
 
-    /// `split_outliers`: dense row clipped, outliers exact and in channel order, capacity
-    /// respected by keeping the farthest outside (ties: lower channel), the rest counted.
+    /// `split_outliers`: kept outliers exact, in channel order and clipped in the dense row,
+    /// capacity respected by keeping the farthest outside (ties: lower channel), the rest
+    /// counted and left in the dense row as they were.
     #[test]
     fn split_outliers_keeps_the_farthest(
         x in row_case(),
@@ -739,7 +740,9 @@ proptest! {
         let (kept, dropped) = split_outliers(&mut dense, &lo, &hi, capacity);
         let outside: Vec<usize> = (0..d).filter(|&c| x[c] < lo[c] || x[c] > hi[c]).collect();
         for c in 0..d {
-            prop_assert_eq!(dense[c], x[c].clamp(lo[c], hi[c]), "dense channel {}", c);
+            let stored = kept.iter().any(|o| usize::from(o.channel) == c);
+            let want = if stored { x[c].clamp(lo[c], hi[c]) } else { x[c] };
+            prop_assert_eq!(dense[c].to_bits(), want.to_bits(), "dense channel {}", c);
         }
         prop_assert_eq!(kept.len(), outside.len().min(capacity));
         prop_assert_eq!(dropped, outside.len() - kept.len());
@@ -847,7 +850,8 @@ fn split_outliers_capacity_policy_by_hand() {
         ]
     );
     assert_eq!(dropped, 2);
-    assert_eq!(dense, [0.5, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 0.0]);
+    // The stored ones clipped, the dropped ones (ch2, ch5) as they were.
+    assert_eq!(dense, [0.5, 1.0, -2.0, 1.0, -1.0, 3.0, -1.0, 0.0]);
     let mut dense = x;
     let (kept, dropped) = split_outliers(&mut dense, &lo, &hi, 8);
     assert_eq!(
@@ -855,6 +859,8 @@ fn split_outliers_capacity_policy_by_hand() {
         [1, 2, 4, 5]
     );
     assert_eq!(dropped, 0);
+    assert_eq!(dense, [0.5, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 0.0]);
     let mut dense = x;
     assert_eq!(split_outliers(&mut dense, &lo, &hi, 0), (vec![], 4));
+    assert_eq!(dense, x, "no slot: the row as it was");
 }
