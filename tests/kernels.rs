@@ -90,6 +90,9 @@ fn options_sinks_groups_and_outliers() {
         "k=q4_tok@head,v=q2_tok@64",
         "k=q4_tok@128,v=q4_tok@32",
         "k=f16,v=q8_0,sinks=40",
+        "q4_tok,rot",
+        "kivi2,rot=v,sinks=2",
+        "k=q8,v=q2_chan,rv=64,rot=k",
     ] {
         check(config(scheme, 2, 2, 128, 200), &[3, 50, 130], 11);
     }
@@ -105,6 +108,8 @@ fn rope_in_the_cache_and_pre_rope_keys() {
             "q8,pre_rope",
             "k=q4_tok,v=q4_tok,pre_rope,outliers",
             "kivi4,pre_rope,outliers,sinks=2",
+            "kivi4,pre_rope,rot=v",
+            "q2_tok,rot",
         ] {
             check(with_rope(config(scheme, 1, 3, 64, 200), layout), &[150], 5);
         }
