@@ -621,9 +621,10 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 
 #if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
 // hipkv_attn_prep: grid (tokens, kv_heads), one wave. The query rows of one token and KV head
-// converted to f32 (rotated by H/√d when keys are) and scaled by softmax_scale · log2(e), laid out [KV head][token][GQA
-// row][channel]; their sums over each key parameter group, [KV head][group][token][GQA row];
-// and the partial sums of every split cleared, so a row no workgroup reaches reads as empty.
+// converted to f32 (rotated by H/√d when keys are) and scaled by softmax_scale · log2(e), laid
+// out [KV head][token][GQA row][channel]; their sums over each key parameter group, [KV
+// head][group][token][GQA row]; and the partial sums of every split cleared, so a row no
+// workgroup reaches reads as empty.
 HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
     const hipkv_paged_geometry &g = p.g;
     const uint32_t token = blockIdx.x, head = blockIdx.y, lane = hipkv::lane_id();

@@ -7,8 +7,7 @@
 //   sinks:          f16 copy into the slot state's sink rows (never written to blocks);
 //   per-token:      outliers into the sparse store (clipped in the row), then the row's scale
 //                   (and minimum, per channel group) from a min/max or |max| reduction over the
-//                   lanes of the group,
-//                   then codes, into the token's slot of its block;
+//                   lanes of the group, then codes, into the token's slot of its block;
 //   per-channel:    the wave of a block's last position quantizes the whole block: outliers of
 //                   every row, per-channel min/max over its rows (sink positions left out; older
 //                   rows from the residual window, this batch's from the input), then codes.

@@ -4,7 +4,8 @@
 //! that change what is stored: the token group (page) size, f16 attention sinks, KIVI's f16 window
 //! of the most recent values, pre-RoPE keys, the dense-and-sparse outlier store and a
 //! Walsh–Hadamard rotation of each head. Schemes parse from and print to strings such as
-//! `kivi2`, `q8_0`, `q4_tok@64,rot` or `k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,outliers`.
+//! `kivi2`, `q8_0`, `q4_tok,rot` or
+//! `k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,outliers`.
 //!
 //! Storage unit: a *page* holds `group_tokens` consecutive tokens of one layer for every KV head.
 //! Inside a page each head owns one contiguous [`HeadLayout`] block: the K stream then the V stream,

@@ -663,8 +663,9 @@ impl PagedCache {
 
     /// Dequantizes positions `0..len` of the sequence in slot `slot` whose blocks are `blocks`,
     /// from layer cache `cache`: `(k, v)`, each `len × kv_heads × head_dim`, keys as attention
-    /// sees them (rotated by RoPE where stored before it), a `rot` scheme's rows rotated back. For tests and inspection: it waits for the
-    /// default stream and copies the layer to the host; attention never makes this copy.
+    /// sees them (rotated by RoPE where stored before it), a `rot` scheme's rows rotated back.
+    /// For tests and inspection: it waits for the default stream and copies the layer to the
+    /// host; attention never makes this copy.
     pub fn read_back(
         &self,
         layer: usize,
