@@ -633,9 +633,9 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
     const uint32_t groups = d / group;
     const float factor = p.softmax_scale * 1.4426950408889634f;
     const size_t elem_bytes = p.dtype == HIPKV_DTYPE_F32 ? 4 : 2;
-    // Rotated keys: the query is rotated the same way, (Hq)·(Hk) = q·k.
+    // Rotated keys: the query is rotated the same way, (Hq)·(Hk) = q·k (in f64: formats.h).
     const bool rotate = g.rotate & 1u;
-    __shared__ float rotated[HIPKV_MAX_HEAD_DIM];
+    __shared__ double rotated[HIPKV_MAX_HEAD_DIM];
     for (uint32_t j = 0; j < gqa; ++j) {
         const size_t in = ((size_t)token * g.kv_heads * gqa + head * gqa + j) * d;
         const size_t row = ((size_t)head * p.tokens + token) * gqa + j;
@@ -655,7 +655,7 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
         for (uint32_t gi = 0; gi < groups; ++gi) {
             float sum = 0.0f;
             for (uint32_t c = gi * group + lane; c < (gi + 1) * group; c += HIPKV_WAVE) {
-                float x = rotate ? rotated[c] : load(c);
+                float x = rotate ? (float)rotated[c] : load(c);
                 x *= factor;
                 p.q_f32[row * d + c] = x;
                 sum += x;
@@ -705,9 +705,9 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
         else
             static_cast<float *>(p.out)[out] = o;
     };
-    // Rotated values: the output is rotated back, H·Σ p·(Hv) = Σ p·v.
+    // Rotated values: the output is rotated back, H·Σ p·(Hv) = Σ p·v (in f64: formats.h).
     const bool rotate = g.rotate & 2u;
-    __shared__ float rotated[HIPKV_MAX_HEAD_DIM];
+    __shared__ double rotated[HIPKV_MAX_HEAD_DIM];
     for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) {
         float o = 0.0f;
         for (uint32_t s = 0; s < p.splits; ++s) {
@@ -723,7 +723,7 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     }
     if (rotate) {
         hipkv::hadamard_wave(rotated, d);
-        for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) store(c, rotated[c]);
+        for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) store(c, (float)rotated[c]);
     }
 }
 #endif

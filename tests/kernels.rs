@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_rows_close, config, fill, naive_attend, queries, with_rope};
+use common::{assert_outputs_close, config, fill, naive_attend, queries, with_rope};
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, KvCache, RopeLayout};
 
@@ -48,7 +48,7 @@ fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
             cfg.gqa(),
             lens[s]
         );
-        assert_rows_close(out, &want, cfg.head_dim, TOLERANCE, &what);
+        assert_outputs_close(&cfg.scheme, out, &want, cfg.head_dim, TOLERANCE, &what);
     }
 }
 

@@ -185,10 +185,17 @@ HIPKV_HD float hadamard_scale(uint32_t d) {
     return d == 64 ? 0.125f : d == 128 ? 0.0883883476483184405f : 0.0625f;
 }
 
+// 1/√d in f64, for the rotations of queries and outputs, which are done in f64: once per query
+// row, they cost nothing and add one f32 rounding instead of one per stage.
+HIPKV_HD double hadamard_scale_f64(uint32_t d) {
+    return d == 64 ? 0.125 : d == 128 ? 0.08838834764831845 : 0.0625;
+}
+
 // Butterfly `b` (of d/2) of the stage of stride `h`: elements i (bit h clear) and i + h.
-HIPKV_HD void hadamard_butterfly(float *x, uint32_t b, uint32_t h) {
+template <class T>
+HIPKV_HD void hadamard_butterfly(T *x, uint32_t b, uint32_t h) {
     const uint32_t i = ((b & ~(h - 1)) << 1) | (b & (h - 1));
-    const float lo = x[i], hi = x[i + h];
+    const T lo = x[i], hi = x[i + h];
     x[i] = lo + hi;
     x[i + h] = lo - hi;
 }
@@ -198,15 +205,17 @@ HIPKV_HD void hadamard_butterfly(float *x, uint32_t b, uint32_t h) {
 #if defined(HIPKV_EMU) || defined(__HIPCC__) || defined(__HIP__) || defined(__CUDACC__)
 namespace hipkv {
 
-// Rotates the `d` floats at `x`, in LDS, by H/√d, with the lanes of one wave: lane i takes
+// Rotates the `d` values at `x`, in LDS, by H/√d, with the lanes of one wave: lane i takes
 // butterflies i, i + 32, … of every stage. Every lane must call it; the wave may read `x` after.
-HIPKV_DEV void hadamard_wave(float *x, uint32_t d) {
+// f32 for stored rows (bit for bit as `quant::hadamard`), f64 for queries and outputs.
+template <class T>
+HIPKV_DEV void hadamard_wave(T *x, uint32_t d) {
     wave_sync();
     for (uint32_t h = 1; h < d; h *= 2) {
         for (uint32_t b = lane_id(); b < d / 2; b += HIPKV_WAVE) hadamard_butterfly(x, b, h);
         wave_sync();
     }
-    const float scale = hadamard_scale(d);
+    const T scale = sizeof(T) == sizeof(double) ? (T)hadamard_scale_f64(d) : (T)hadamard_scale(d);
     for (uint32_t c = lane_id(); c < d; c += HIPKV_WAVE) x[c] *= scale;
     wave_sync();
 }

@@ -754,10 +754,10 @@ impl PagedCache {
                     block.v.dequantize(t, &mut v[at..at + d]);
                     // H/√d is its own inverse.
                     if rotation.applies(Stream::K) {
-                        crate::quant::hadamard(&mut k[at..at + d]);
+                        crate::quant::hadamard_exact(&mut k[at..at + d]);
                     }
                     if rotation.applies(Stream::V) {
-                        crate::quant::hadamard(&mut v[at..at + d]);
+                        crate::quant::hadamard_exact(&mut v[at..at + d]);
                     }
                     if let Some(rope) = &self.rope_table {
                         rope.rotate(&mut k[at..at + d], pos);

@@ -12,6 +12,26 @@ pub fn hadamard_scale(d: usize) -> f32 {
 
 /// Rotates `x` in place by `H/√d`, `d = x.len()` a power of two.
 pub fn hadamard(x: &mut [f32]) {
+    butterflies(x);
+    let scale = hadamard_scale(x.len());
+    for v in x {
+        *v *= scale;
+    }
+}
+
+/// [`hadamard`] in f64: rotates rows back for reads, exact to an f64 rounding per element
+/// instead of the f32 rounding of every stage.
+pub fn hadamard_exact(x: &mut [f32]) {
+    let mut wide: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+    butterflies(&mut wide);
+    let scale = 1.0 / (x.len() as f64).sqrt();
+    for (v, w) in x.iter_mut().zip(wide) {
+        *v = (w * scale) as f32;
+    }
+}
+
+/// The unscaled stages of `H`: stride 1, 2, 4, …, each butterfly `(a, b) → (a + b, a − b)`.
+fn butterflies<T: Copy + std::ops::Add<Output = T> + std::ops::Sub<Output = T>>(x: &mut [T]) {
     let d = x.len();
     debug_assert!(d.is_power_of_two());
     let mut h = 1;
@@ -23,10 +43,6 @@ pub fn hadamard(x: &mut [f32]) {
             }
         }
         h *= 2;
-    }
-    let scale = hadamard_scale(d);
-    for v in x {
-        *v *= scale;
     }
 }
 
@@ -54,6 +70,16 @@ mod tests {
             hadamard(&mut y);
             for (a, b) in x.iter().zip(&y) {
                 assert!((a - b).abs() < 1e-5 * (1.0 + a.abs()), "d={d}: {a} vs {b}");
+            }
+            // In f64 the round trip is exact to an f32 rounding or two.
+            let mut z = x.clone();
+            hadamard_exact(&mut z);
+            hadamard_exact(&mut z);
+            for (a, b) in x.iter().zip(&z) {
+                assert!(
+                    (a - b).abs() <= 2.0 * f32::EPSILON * a.abs().max(1.0),
+                    "d={d}"
+                );
             }
         }
     }

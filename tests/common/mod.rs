@@ -166,6 +166,31 @@ pub fn assert_rows_close(got: &[f32], want: &[f32], head_dim: usize, tolerance: 
     }
 }
 
+/// [`assert_rows_close`] of attention outputs of a scheme. With rotated values (`rot`, `rot=v`)
+/// the kernels accumulate `Σ p·Hv` and rotate the sum back once, exactly up to one f32 rounding;
+/// the rows are compared in that basis (both rotated, in f64), where the accumulation's error
+/// has the same bound as every other scheme's. An orthonormal change of basis keeps the
+/// error's 2-norm, but can move it between channels, which the per-row maximum would count.
+pub fn assert_outputs_close(
+    scheme: &Scheme,
+    got: &[f32],
+    want: &[f32],
+    head_dim: usize,
+    tolerance: f32,
+    what: &str,
+) {
+    if !scheme.rotation.applies(hipkv::Stream::V) {
+        return assert_rows_close(got, want, head_dim, tolerance, what);
+    }
+    let rotate = |x: &[f32]| {
+        let mut x = x.to_vec();
+        x.chunks_exact_mut(head_dim)
+            .for_each(hipkv::quant::hadamard_exact);
+        x
+    };
+    assert_rows_close(&rotate(got), &rotate(want), head_dim, tolerance, what);
+}
+
 /// Outliers that matter: values with a heavy tail (1% of elements ×30) and keys with outlier
 /// channels, so that dropping or misplacing one correction moves the output beyond tolerance.
 /// Thresholds come from 4000 tokens (with only the 150 attended, a 0.5% tail per channel would

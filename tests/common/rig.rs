@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use hipkv::Backend;
 use hipkv::synth::Rng;
 
-use super::{assert_rows_close, naive_chunk};
+use super::{assert_outputs_close, naive_chunk};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, PagedCache, QueryBatch, Workspace,
@@ -382,7 +382,8 @@ pub fn step(
             d,
             scale,
         );
-        assert_rows_close(
+        assert_outputs_close(
+            &spec.scheme,
             &out[at..at + n * row],
             &want,
             d,

@@ -474,7 +474,8 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
             .map(|i| unsafe { load(p.q.cast(), p.dtype, i) })
             .collect();
         if spec.scheme.rotation.applies(Stream::K) {
-            quant::hadamard_rows(&mut q, spec.head_dim);
+            q.chunks_exact_mut(spec.head_dim)
+                .for_each(quant::hadamard_exact);
         }
         queries.push((start, q));
     }
@@ -492,7 +493,8 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
     super::attend(&view, &seqs, &mut batch, p.softmax_scale);
     if spec.scheme.rotation.applies(Stream::V) {
         for o in &mut outs {
-            quant::hadamard_rows(o, spec.head_dim);
+            o.chunks_exact_mut(spec.head_dim)
+                .for_each(quant::hadamard_exact);
         }
     }
     // Every output row: a skipped sequence's are zero, as the kernels leave them.
