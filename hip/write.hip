@@ -217,13 +217,12 @@ HIPKV_DEV Row block_row(const hipkv_write_params &p, const Target &target, uint3
 // order): no two waves of a launch write one window row.
 template <int D>
 HIPKV_DEV void write_window(const hipkv_write_params &p, const Target &target, uint32_t token,
-                            uint32_t head) {
+                            uint32_t head, const Row &src) {
     const uint32_t rows = p.g.value_window + p.g.block_tokens;
     const uint32_t j = token + rows;
     if (j < p.tokens && (uint32_t)p.seq_slots[j] == target.seq_slot &&
         (uint32_t)p.positions[j] == target.pos + rows)
         return;
-    const Row src = input_row<D>(p, token, head);
     uint16_t *dst = reinterpret_cast<uint16_t *>(target.state + p.g.window_v) +
                     ((size_t)head * rows + target.pos % rows) * D;
     for (uint32_t c = lane_id(); c < D; c += HIPKV_WAVE)
@@ -437,7 +436,12 @@ HIPKV_DEV void write(const hipkv_write_params &p) {
             for (int i = 0; i < N; ++i) dst[c0 + i] = float_to_half(x[i]);
         return;
     }
-    if (p.stream == 1 && p.g.value_window != 0) write_window<D>(p, target, token, head);
+    // The token's own row, read (and, for a rotated stream, rotated) once for the value window
+    // and a per-token format; a per-channel block reads its rows in quantize_block.
+    const bool window = p.stream == 1 && p.g.value_window != 0;
+    Row row{};
+    if (window || !format_is_chan(F)) row = input_row<D>(p, token, head);
+    if (window) write_window<D>(p, target, token, head, row);
     uint8_t *block = p.cache + (size_t)target.block * p.g.block_bytes +
                      (size_t)head * p.g.head_block_bytes;
     if constexpr (format_is_chan(F)) {
@@ -446,7 +450,7 @@ HIPKV_DEV void write(const hipkv_write_params &p) {
             quantize_block<F, D>(p, target, token, block, head);
     } else {
         float x[N];
-        load_lane<N>(input_row<D>(p, token, head), c0, active, x);
+        load_lane<N>(row, c0, active, x);
         if (p.outlier_lo) store_outliers<N, D>(p, block, target.offset, head, c0, active, x);
         quantize_row<F, D>(p, block, target.offset, c0, active, x);
     }
