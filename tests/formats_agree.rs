@@ -23,6 +23,7 @@ unsafe extern "C" {
     fn hipkv_ffi_chunk_codes8(format: i32, chunk: *const u8, j: i32, out: *mut f32);
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
     fn hipkv_ffi_hadamard(x: *mut f32, head_dim: u32);
+    fn hipkv_ffi_hadamard_scale_f64(head_dim: u32) -> f64;
 }
 
 #[test]
@@ -41,6 +42,10 @@ fn rotation_agrees_bit_for_bit() {
                 cpp.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "head_dim {d}"
             );
+            // The f64 scale of query and output rotations (`quant::hadamard_exact`).
+            // SAFETY: a pure function of its argument.
+            let scale = unsafe { hipkv_ffi_hadamard_scale_f64(d as u32) };
+            assert_eq!(scale, quant::hadamard_scale_f64(d), "head_dim {d}");
         }
     }
 }

@@ -49,6 +49,9 @@ extern "C" void hipkv_ffi_chunk_codes8(int format, const uint8_t *chunk, int j, 
 // HIPKV_ROWS(head_dim), for the Rust mirror's test.
 extern "C" uint32_t hipkv_ffi_rows(uint32_t head_dim) { return HIPKV_ROWS(head_dim); }
 
+// 1/√d in f64, with which queries and outputs are rotated.
+extern "C" double hipkv_ffi_hadamard_scale_f64(uint32_t d) { return hipkv::hadamard_scale_f64(d); }
+
 // The rotation of `rot` schemes, one butterfly at a time in the kernels' order.
 extern "C" void hipkv_ffi_hadamard(float *x, uint32_t d) {
     for (uint32_t h = 1; h < d; h *= 2)

@@ -11,7 +11,7 @@ mod outliers;
 mod rotation;
 
 pub use outliers::{Outlier, OutlierThresholds, split_outliers};
-pub use rotation::{hadamard, hadamard_exact, hadamard_rows, hadamard_scale};
+pub use rotation::{hadamard, hadamard_exact, hadamard_rows, hadamard_scale, hadamard_scale_f64};
 
 use half::f16;
 

@@ -5,9 +5,22 @@
 //! stride 1, 2, 4, …, each butterfly `(a, b) → (a + b, a − b)`, then one multiplication by
 //! [`hadamard_scale`]) so that the kernels, which run the same steps, store the same bytes.
 
+/// `1/√d` rounded to f64, for a power-of-two `d`: a power of two, or one times `1/√2`, exactly
+/// (`1.0 / (d as f64).sqrt()` is one ulp low at d = 128).
+pub fn hadamard_scale_f64(d: usize) -> f64 {
+    debug_assert!(d.is_power_of_two());
+    let k = d.trailing_zeros() as i32;
+    let half = 0.5f64.powi(k / 2);
+    if k % 2 == 0 {
+        half
+    } else {
+        half * std::f64::consts::FRAC_1_SQRT_2
+    }
+}
+
 /// `1/√d` rounded to f32, for a power-of-two `d`.
 pub fn hadamard_scale(d: usize) -> f32 {
-    (1.0 / (d as f64).sqrt()) as f32
+    hadamard_scale_f64(d) as f32
 }
 
 /// Rotates `x` in place by `H/√d`, `d = x.len()` a power of two.
@@ -24,7 +37,7 @@ pub fn hadamard(x: &mut [f32]) {
 pub fn hadamard_exact(x: &mut [f32]) {
     let mut wide: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
     butterflies(&mut wide);
-    let scale = 1.0 / (x.len() as f64).sqrt();
+    let scale = hadamard_scale_f64(x.len());
     for (v, w) in x.iter_mut().zip(wide) {
         *v = (w * scale) as f32;
     }
