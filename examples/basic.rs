@@ -32,10 +32,9 @@ fn attend(
         rope: None,
     };
     let mut cache = KvCache::with_backend(config, backend)?;
-    if scheme.outliers.is_some() {
-        // Thresholds come from sample keys; here the prompt itself.
-        cache.calibrate_outliers(0, k, v, 0)?;
-    }
+    // Outlier thresholds and codebooks (schemes with `outliers`, `nuq`) come from sample
+    // tokens; here the prompt itself.
+    cache.calibrate(0, k, v, 0)?;
     cache.append(0, 0, k, v)?;
     let mut out = vec![0f32; q.len()];
     cache.attend(0, 0, q, 1.0 / (HEAD_DIM as f32).sqrt(), &mut out)?;

@@ -16,9 +16,9 @@ use crate::hip::{Device, StreamHandle};
 use crate::paged::{
     BatchLimits, DType, KvBatch, Layout, LayoutSpec, PagedCache, QueryBatch, Workspace,
 };
-use crate::quant::OutlierThresholds;
+use crate::quant::{self, Codebook, OutlierThresholds};
 use crate::rope::{Rope, RopeTable};
-use crate::scheme::{HeadLayout, Scheme, Stream};
+use crate::scheme::{HeadLayout, Scheme, Stream, StreamSet};
 
 /// Shape and scheme of a cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -99,6 +99,7 @@ struct Layer {
     free: Vec<i32>,
     seqs: Vec<Seq>,
     outliers: Option<(OutlierThresholds, Option<OutlierThresholds>)>,
+    codebooks: Option<(Option<Codebook>, Option<Codebook>)>,
 }
 
 /// A quantized KV cache, in host memory (the CPU backend) or device memory (`Hip`, and `Emu`
@@ -165,6 +166,7 @@ impl KvCache {
                     free: (0..(per_seq * config.sequences) as i32).rev().collect(),
                     seqs: vec![Seq::default(); config.sequences],
                     outliers: None,
+                    codebooks: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -257,6 +259,27 @@ impl KvCache {
         Ok(())
     }
 
+    /// Calibrates whatever layer `layer` of the scheme needs from sample tokens laid out as for
+    /// [`append`](Self::append): outlier thresholds ([`calibrate_outliers`](Self::calibrate_outliers))
+    /// then codebooks ([`calibrate_codebooks`](Self::calibrate_codebooks)); nothing for other
+    /// schemes.
+    pub fn calibrate(
+        &mut self,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        first_position: usize,
+    ) -> Result<()> {
+        let scheme = self.config.scheme;
+        if scheme.outliers.is_some() {
+            self.calibrate_outliers(layer, k, v, first_position)?;
+        }
+        if scheme.nuq != StreamSet::None {
+            self.calibrate_codebooks(layer, k, v, first_position)?;
+        }
+        Ok(())
+    }
+
     /// Calibrates a layer's outlier thresholds from sample tokens laid out as for
     /// [`append`](Self::append) (unrotated; rotated here to `first_position..` unless keys are
     /// stored before RoPE).
@@ -273,6 +296,21 @@ impl KvCache {
                 self.config.scheme
             )));
         };
+        let (h, d) = (self.config.kv_heads, self.config.head_dim);
+        let k = self.calibration_keys(k, first_position)?;
+        check_finite(Stream::V, v, h, d)?;
+        let kt = OutlierThresholds::calibrate(&k, h, d, o.fraction)?;
+        let vt = if o.values {
+            Some(OutlierThresholds::calibrate(v, h, d, o.fraction)?)
+        } else {
+            None
+        };
+        self.set_outlier_thresholds(layer, kt, vt)
+    }
+
+    /// Sample keys as the cache stores them before any quantization: rotated by RoPE to
+    /// `first_position..` (unless the scheme keeps keys before RoPE), checked finite.
+    fn calibration_keys(&self, k: &[f32], first_position: usize) -> Result<Vec<f32>> {
         let (h, d) = (self.config.kv_heads, self.config.head_dim);
         let mut k = k.to_vec();
         if let Some(rope) = self.rope.as_ref().filter(|_| !self.config.scheme.pre_rope) {
@@ -291,14 +329,91 @@ impl KvCache {
             }
         }
         check_finite(Stream::K, &k, h, d)?;
+        Ok(k)
+    }
+
+    /// Sets the codebooks of a layer: one for each stream the scheme's `nuq` names.
+    pub fn set_codebooks(
+        &mut self,
+        layer: usize,
+        k: Option<Codebook>,
+        v: Option<Codebook>,
+    ) -> Result<()> {
+        self.check_layer_seq(layer, 0)?;
+        self.paged.set_codebooks(layer, k.as_ref(), v.as_ref())?;
+        self.layers[layer].codebooks = Some((k, v));
+        Ok(())
+    }
+
+    /// Fits a layer's codebooks ([`Codebook::fit`]) to sample tokens laid out as for
+    /// [`append`](Self::append), transformed as the cache would store them (RoPE at
+    /// `first_position..` unless keys are kept before it, the Walsh–Hadamard rotation, the
+    /// outlier split when the layer has thresholds, f16 rounding) and normalized per group as
+    /// the quantizer does; per-channel groups are `group_tokens` consecutive samples.
+    pub fn calibrate_codebooks(
+        &mut self,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        first_position: usize,
+    ) -> Result<()> {
+        let scheme = self.config.scheme;
+        if scheme.nuq == StreamSet::None {
+            return Err(Error::Unsupported(format!(
+                "scheme {scheme} has no codebooks (nuq)"
+            )));
+        }
+        let (h, d) = (self.config.kv_heads, self.config.head_dim);
+        let k = self.calibration_keys(k, first_position)?;
         check_finite(Stream::V, v, h, d)?;
-        let kt = OutlierThresholds::calibrate(&k, h, d, o.fraction)?;
-        let vt = if o.values {
-            Some(OutlierThresholds::calibrate(v, h, d, o.fraction)?)
-        } else {
-            None
-        };
-        self.set_outlier_thresholds(layer, kt, vt)
+        let mut books = [None, None];
+        for (i, (stream, x)) in [(Stream::K, &k[..]), (Stream::V, v)]
+            .into_iter()
+            .enumerate()
+        {
+            let Some(bits) = scheme
+                .low_bits(stream)
+                .filter(|_| scheme.nuq.applies(stream))
+            else {
+                continue;
+            };
+            let thresholds =
+                self.layers[layer]
+                    .outliers
+                    .as_ref()
+                    .and_then(|(kt, vt)| match stream {
+                        Stream::K => Some(kt),
+                        Stream::V => vt.as_ref(),
+                    });
+            let slots = scheme.outlier_slots(stream, d);
+            let mut samples = Vec::new();
+            for head in 0..h {
+                let mut rows: Vec<f32> = x
+                    .chunks_exact(d)
+                    .skip(head)
+                    .step_by(h)
+                    .flat_map(|row| {
+                        let mut row = row.to_vec();
+                        if scheme.rotation.applies(stream) {
+                            quant::hadamard(&mut row);
+                        }
+                        row.iter_mut().for_each(|x| *x = quant::round_f16(*x));
+                        row
+                    })
+                    .collect();
+                if let Some(t) = thresholds {
+                    let (lo, hi) = t.head(head);
+                    for row in rows.chunks_exact_mut(d) {
+                        quant::split_outliers(row, lo, hi, slots);
+                    }
+                }
+                let format = scheme.format(stream);
+                quant::normalized_codes(format, &rows, d, scheme.group_tokens, &mut samples);
+            }
+            books[i] = Some(Codebook::fit(bits, &samples)?);
+        }
+        let [kb, vb] = books;
+        self.set_codebooks(layer, kb, vb)
     }
 
     fn check_layer_seq(&self, layer: usize, seq: usize) -> Result<()> {
@@ -398,6 +513,9 @@ impl KvCache {
         }
         if !self.paged.has_thresholds(layer) {
             return Err(Error::OutliersNotCalibrated { layer });
+        }
+        if !self.paged.has_codebooks(layer) {
+            return Err(Error::CodebooksNotCalibrated { layer });
         }
         if n == 0 {
             return Ok(());
@@ -759,6 +877,9 @@ impl KvCache {
             }
             if let Some((k, v)) = &layer.outliers {
                 paged.set_outlier_thresholds(l, k, v.as_ref())?;
+            }
+            if let Some((k, v)) = &layer.codebooks {
+                paged.set_codebooks(l, k.as_ref(), v.as_ref())?;
             }
         }
         for (layer, cache) in self.layers.iter_mut().zip(caches) {

@@ -71,6 +71,10 @@ pub enum Error {
     },
     #[error("layer {layer} has no outlier thresholds: call calibrate_outliers first")]
     OutliersNotCalibrated { layer: usize },
+    #[error("codebook of {bits}-bit codes: {problem}")]
+    InvalidCodebook { bits: usize, problem: &'static str },
+    #[error("layer {layer} has no codebooks: call calibrate_codebooks first")]
+    CodebooksNotCalibrated { layer: usize },
     #[error("kernel {kernel} failed in the emulator: {message}")]
     Emulator { kernel: String, message: String },
     #[error("out of memory: {bytes} bytes asked of the {backend} backend")]

@@ -24,4 +24,4 @@ pub use cache::{CacheConfig, KvCache, Query};
 pub use error::{Error, Result};
 pub use quant::OutlierThresholds;
 pub use rope::{Rope, RopeLayout, RopeTable};
-pub use scheme::{ChannelGroup, Format, LowBits, Memory, Outliers, Rotation, Scheme, Stream};
+pub use scheme::{ChannelGroup, Format, LowBits, Memory, Outliers, Scheme, Stream, StreamSet};

@@ -289,35 +289,51 @@ impl Outliers {
     }
 }
 
-/// Which streams a scheme stores rotated by the orthonormal Walsh–Hadamard transform `H/√d` of
-/// each head (`quant::hadamard`). Rotation spreads an outlier channel's energy over every channel,
-/// so a per-token group's range is set by the row's norm rather than by its largest channel.
-/// Attention rotates the query once per step for rotated keys (`(Hq)·(Hk) = q·k`) and its output
-/// once per step for rotated values (`H·Σ p·Hv = Σ p·v`): nothing changes in the inner loop.
+/// A set of streams an option applies to: none, keys, values or both.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Rotation {
+pub enum StreamSet {
     #[default]
     None,
-    /// `rot=k`
+    /// `=k`
     Keys,
-    /// `rot=v`
+    /// `=v`
     Values,
-    /// `rot` (or `rot=kv`)
+    /// No value, or `=kv`
     Both,
 }
 
-impl Rotation {
-    /// Whether `stream` is stored rotated.
+impl StreamSet {
+    /// Whether `stream` is in the set.
     pub fn applies(self, stream: Stream) -> bool {
         matches!(
             (self, stream),
-            (Rotation::Both, _) | (Rotation::Keys, Stream::K) | (Rotation::Values, Stream::V)
+            (StreamSet::Both, _) | (StreamSet::Keys, Stream::K) | (StreamSet::Values, Stream::V)
         )
     }
 
     /// The ABI's bit set (`hipkv_paged_geometry::rotate`): 1 keys, 2 values.
     pub fn abi_bits(self) -> u32 {
         u32::from(self.applies(Stream::K)) | (u32::from(self.applies(Stream::V)) << 1)
+    }
+
+    /// Parses the value of `name[=k|v|kv]`.
+    fn parse(value: Option<&str>) -> Option<StreamSet> {
+        match value {
+            None | Some("kv") => Some(StreamSet::Both),
+            Some("k") => Some(StreamSet::Keys),
+            Some("v") => Some(StreamSet::Values),
+            Some(_) => None,
+        }
+    }
+
+    /// Writes `,name`, `,name=k` or `,name=v` (nothing for the empty set).
+    fn write(self, f: &mut fmt::Formatter<'_>, name: &str) -> fmt::Result {
+        match self {
+            StreamSet::None => Ok(()),
+            StreamSet::Keys => write!(f, ",{name}=k"),
+            StreamSet::Values => write!(f, ",{name}=v"),
+            StreamSet::Both => write!(f, ",{name}"),
+        }
     }
 }
 
@@ -338,8 +354,16 @@ pub struct Scheme {
     pub pre_rope: bool,
     /// Dense-and-sparse outlier store.
     pub outliers: Option<Outliers>,
-    /// Streams stored Walsh–Hadamard rotated.
-    pub rotation: Rotation,
+    /// Streams stored rotated by the orthonormal Walsh–Hadamard transform `H/√d` of each head
+    /// (`quant::hadamard`). Rotation spreads an outlier channel's energy over every channel, so
+    /// a per-token group's range is set by the row's norm rather than by its largest channel.
+    /// Attention rotates the query once per step for rotated keys (`(Hq)·(Hk) = q·k`) and its
+    /// output once per step for rotated values (`H·Σ p·Hv = Σ p·v`): nothing changes in the
+    /// inner loop.
+    pub rotation: StreamSet,
+    /// Low-bit streams whose codes decode through a per-layer codebook (`quant::Codebook`,
+    /// KVQuant's nuq) calibrated on the model, instead of uniformly.
+    pub nuq: StreamSet,
 }
 
 /// Named presets, in the order `hipkv info` and `hipkv bench` list them.
@@ -362,7 +386,8 @@ impl Scheme {
             value_window: 0,
             pre_rope: false,
             outliers: None,
-            rotation: Rotation::None,
+            rotation: StreamSet::None,
+            nuq: StreamSet::None,
         }
     }
 
@@ -435,7 +460,7 @@ impl Scheme {
                 "pre_rope needs RoPE configured in the cache".into(),
             ));
         }
-        if self.rotation != Rotation::None {
+        if self.rotation != StreamSet::None {
             if self.outliers.is_some() {
                 return Err(Error::Unsupported(
                     "rot with outliers: outlier thresholds are per stored channel, and rotation \
@@ -448,6 +473,15 @@ impl Scheme {
                     "rotated keys (rot, rot=k) with pre_rope: RoPE acts on unrotated channels"
                         .into(),
                 ));
+            }
+        }
+        for stream in [Stream::K, Stream::V] {
+            if self.nuq.applies(stream) && self.low_bits(stream).is_none() {
+                return Err(Error::Unsupported(format!(
+                    "nuq for {} {}: codebooks are for the 4- and 2-bit formats",
+                    self.format(stream),
+                    stream
+                )));
             }
         }
         if let Some(o) = self.outliers {
@@ -473,6 +507,14 @@ impl Scheme {
             (Some(_), Stream::K) => true,
             (Some(o), Stream::V) => o.values,
             (None, _) => false,
+        }
+    }
+
+    /// The code width of a stream in a 4- or 2-bit format.
+    pub fn low_bits(&self, stream: Stream) -> Option<LowBits> {
+        match self.format(stream) {
+            Format::Tok { bits, .. } | Format::Chan { bits } => Some(bits),
+            _ => None,
         }
     }
 
@@ -595,13 +637,8 @@ impl fmt::Display for Scheme {
                 write!(f, ",outlier_slots={c}")?;
             }
         }
-        match self.rotation {
-            Rotation::None => {}
-            Rotation::Keys => f.write_str(",rot=k")?,
-            Rotation::Values => f.write_str(",rot=v")?,
-            Rotation::Both => f.write_str(",rot")?,
-        }
-        Ok(())
+        self.rotation.write(f, "rot")?;
+        self.nuq.write(f, "nuq")
     }
 }
 
@@ -611,7 +648,7 @@ impl FromStr for Scheme {
     /// Parses `preset[,option…]` or `k=FMT,v=FMT[,option…]`. Options: `g=32|64`, `sinks=N`,
     /// `rv=N` (value window; the `kivi*` presets' default is 128, others' 0), `pre_rope`,
     /// `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`, `rot` (keys and
-    /// values), `rot=k` or `rot=v`.
+    /// values), `rot=k` or `rot=v`, `nuq` (keys and values), `nuq=k` or `nuq=v`.
     fn from_str(s: &str) -> Result<Self> {
         let mut k = None;
         let mut v = None;
@@ -657,9 +694,12 @@ impl FromStr for Scheme {
                         })?)
                 }
                 ("outlier_slots", Some(n)) => outlier_slots = Some(num(key, n)?),
-                ("rot", None | Some("kv")) => scheme.rotation = Rotation::Both,
-                ("rot", Some("k")) => scheme.rotation = Rotation::Keys,
-                ("rot", Some("v")) => scheme.rotation = Rotation::Values,
+                ("rot", v) if StreamSet::parse(v).is_some() => {
+                    scheme.rotation = StreamSet::parse(v).unwrap()
+                }
+                ("nuq", v) if StreamSet::parse(v).is_some() => {
+                    scheme.nuq = StreamSet::parse(v).unwrap()
+                }
                 _ => {
                     return Err(Error::ParseScheme(format!(
                         "unknown item `{item}` in `{s}` (presets: {})",
@@ -840,6 +880,9 @@ mod tests {
             "q4_tok,rot",
             "k=q4_chan,v=q4_tok@64,rv=128,rot=v",
             "k=q4_tok@64,v=q2_tok@64,g=64,rot=k",
+            "kivi2,nuq",
+            "k=q4_chan,v=q2_tok@64,g=64,rv=128,pre_rope,rot=v,nuq=v",
+            "k=q2_chan,v=q8,nuq=k",
         ] {
             let s: Scheme = text.parse().unwrap();
             assert_eq!(s.to_string(), text);
@@ -870,6 +913,7 @@ mod tests {
             "kivi2,rv=100",
             "kivi2,rv=-1",
             "q4_tok,rot=q",
+            "q4_tok,nuq=x",
         ] {
             assert!(
                 matches!(text.parse::<Scheme>(), Err(Error::ParseScheme(_))),
@@ -955,6 +999,21 @@ mod tests {
         let both: Scheme = "q4_tok,rot=kv".parse().unwrap();
         assert_eq!(both.rotation.abi_bits(), 3);
         assert_eq!(both.to_string(), "q4_tok,rot");
+    }
+
+    #[test]
+    fn codebooks_are_for_low_bit_streams() {
+        let check = |text: &str| text.parse::<Scheme>().unwrap().validate(64, true);
+        for ok in [
+            "kivi2,nuq",
+            "k=q8,v=q2_tok,nuq=v",
+            "k=q4_chan,v=f16,nuq=k,pre_rope",
+        ] {
+            assert!(check(ok).is_ok(), "{ok}");
+        }
+        for bad in ["q8,nuq", "k=q8,v=q2_tok,nuq", "k=q4_chan,v=f16,nuq=v"] {
+            assert!(matches!(check(bad), Err(Error::Unsupported(_))), "{bad}");
+        }
     }
 
     #[test]

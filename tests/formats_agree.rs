@@ -188,12 +188,13 @@ fn per_token_formats_dequantize_as_the_reference() {
                     &x[t * d..(t + 1) * d],
                     &mut rows[t * rb..(t + 1) * rb],
                     &mut params[t * pb..(t + 1) * pb],
+                    None,
                 );
             }
             for t in 0..tokens {
                 let row = &rows[t * rb..(t + 1) * rb];
                 let mut want = vec![0f32; d];
-                dequantize_row(f, row, &params[t * pb..(t + 1) * pb], &mut want);
+                dequantize_row(f, row, &params[t * pb..(t + 1) * pb], &mut want, None);
                 let got = cpp_dequant(f, row, &params, t, d);
                 assert_eq!(got, want, "{f} d={d} token {t}");
             }
@@ -211,11 +212,11 @@ fn per_channel_formats_dequantize_as_the_reference() {
             let x = rng.normals(tokens * d);
             let mut rows = vec![0u8; tokens * f.row_bytes(d)];
             let mut params = vec![0u8; f.params_bytes(tokens, d)];
-            quantize_chan(bits, &x, d, &mut rows, &mut params);
+            quantize_chan(bits, &x, d, &mut rows, &mut params, None);
             for t in [0, 5, 31] {
                 let row = &rows[t * f.row_bytes(d)..(t + 1) * f.row_bytes(d)];
                 let mut want = vec![0f32; d];
-                dequantize_chan_row(bits, row, &params, &mut want);
+                dequantize_chan_row(bits, row, &params, &mut want, None);
                 assert_eq!(cpp_dequant(f, row, &params, t, d), want, "{f} d={d} t={t}");
             }
         }

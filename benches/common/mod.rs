@@ -43,9 +43,7 @@ pub fn caches(
         }),
     })
     .expect("valid bench configuration");
-    if scheme.outliers.is_some() {
-        let (k, v) = pool.first(capacity);
-        cache.calibrate_outliers(0, k, v, 0).expect("calibration");
-    }
+    let (k, v) = pool.first(capacity);
+    cache.calibrate(0, k, v, 0).expect("calibration");
     cache
 }

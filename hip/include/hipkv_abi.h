@@ -151,6 +151,10 @@ typedef struct hipkv_write_params {
     const float *outlier_lo;    // kv_heads × head_dim thresholds; null: no outlier store
     const float *outlier_hi;
     uint64_t *outliers_dropped; // outliers left in the dense row for lack of slots (atomic)
+    // The stream's codebook (nuq schemes): 2^bits strictly increasing levels in code units; a
+    // code decodes to min + scale · levels[code], and an element takes the nearest level (by
+    // the midpoints (levels[i] + levels[i+1]) · 0.5, the upper on a tie). Null: uniform.
+    const float *levels;
     hipkv_device_error *error;
 } hipkv_write_params;
 
@@ -194,6 +198,8 @@ typedef struct hipkv_attn_params {
     float *partial_acc;         // per (query row, split): head_dim floats, unnormalized
     float *partial_max;         // running maximum of the base-2 logits
     float *partial_sum;         // sum of 2^(logit - max); 0: the split saw no token
+    const float *k_levels;      // the codebooks of nuq streams (as hipkv_write_params::levels)
+    const float *v_levels;
     hipkv_device_error *error;
 } hipkv_attn_params;
 

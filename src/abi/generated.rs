@@ -183,11 +183,12 @@ pub struct hipkv_write_params {
     pub outlier_lo: *const f32,
     pub outlier_hi: *const f32,
     pub outliers_dropped: *mut u64,
+    pub levels: *const f32,
     pub error: *mut hipkv_device_error,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_write_params"][::std::mem::size_of::<hipkv_write_params>() - 256usize];
+    ["Size of hipkv_write_params"][::std::mem::size_of::<hipkv_write_params>() - 264usize];
     ["Alignment of hipkv_write_params"][::std::mem::align_of::<hipkv_write_params>() - 8usize];
     ["Offset of field: hipkv_write_params::g"]
         [::std::mem::offset_of!(hipkv_write_params, g) - 0usize];
@@ -219,8 +220,10 @@ const _: () = {
         [::std::mem::offset_of!(hipkv_write_params, outlier_hi) - 232usize];
     ["Offset of field: hipkv_write_params::outliers_dropped"]
         [::std::mem::offset_of!(hipkv_write_params, outliers_dropped) - 240usize];
+    ["Offset of field: hipkv_write_params::levels"]
+        [::std::mem::offset_of!(hipkv_write_params, levels) - 248usize];
     ["Offset of field: hipkv_write_params::error"]
-        [::std::mem::offset_of!(hipkv_write_params, error) - 248usize];
+        [::std::mem::offset_of!(hipkv_write_params, error) - 256usize];
 };
 impl Default for hipkv_write_params {
     fn default() -> Self {
@@ -262,11 +265,13 @@ pub struct hipkv_attn_params {
     pub partial_acc: *mut f32,
     pub partial_max: *mut f32,
     pub partial_sum: *mut f32,
+    pub k_levels: *const f32,
+    pub v_levels: *const f32,
     pub error: *mut hipkv_device_error,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of hipkv_attn_params"][::std::mem::size_of::<hipkv_attn_params>() - 328usize];
+    ["Size of hipkv_attn_params"][::std::mem::size_of::<hipkv_attn_params>() - 344usize];
     ["Alignment of hipkv_attn_params"][::std::mem::align_of::<hipkv_attn_params>() - 8usize];
     ["Offset of field: hipkv_attn_params::g"]
         [::std::mem::offset_of!(hipkv_attn_params, g) - 0usize];
@@ -324,8 +329,12 @@ const _: () = {
         [::std::mem::offset_of!(hipkv_attn_params, partial_max) - 304usize];
     ["Offset of field: hipkv_attn_params::partial_sum"]
         [::std::mem::offset_of!(hipkv_attn_params, partial_sum) - 312usize];
+    ["Offset of field: hipkv_attn_params::k_levels"]
+        [::std::mem::offset_of!(hipkv_attn_params, k_levels) - 320usize];
+    ["Offset of field: hipkv_attn_params::v_levels"]
+        [::std::mem::offset_of!(hipkv_attn_params, v_levels) - 328usize];
     ["Offset of field: hipkv_attn_params::error"]
-        [::std::mem::offset_of!(hipkv_attn_params, error) - 320usize];
+        [::std::mem::offset_of!(hipkv_attn_params, error) - 336usize];
 };
 impl Default for hipkv_attn_params {
     fn default() -> Self {

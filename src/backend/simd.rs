@@ -58,6 +58,8 @@ pub(crate) trait Kernel: Copy {
     /// Eight 4-bit codes, one from each of 8 bytes: the low nibbles (channels 0, 2, .., 14 of
     /// the 16 the bytes hold) or, with `high`, the high nibbles (channels 1, 3, .., 15).
     unsafe fn nib8(self, p: *const u8, high: bool) -> Self::V;
+    /// `table[code]` for the eight 4-bit codes `nib8` reads (a codebook's levels).
+    unsafe fn nib8_table(self, p: *const u8, high: bool, table: &[f32; 16]) -> Self::V;
     /// `table[code]` for eight 2-bit codes, one from each of 8 bytes: bits `2j..2j + 2`
     /// (channels `j, 4 + j, .., 28 + j` of the 32 the bytes hold; `j < 4`). Lanes 4..8 of
     /// `table` must repeat lanes 0..4 (see [`Kernel::crumb_table`]).
@@ -228,6 +230,13 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
+    unsafe fn nib8_table(self, p: *const u8, high: bool, table: &[f32; 16]) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
+        b.map(|x| table[usize::from(if high { x >> 4 } else { x & 15 })])
+    }
+
+    #[inline(always)]
     unsafe fn crumb8(self, p: *const u8, j: u32, table: [f32; 8]) -> [f32; 8] {
         // SAFETY: the caller guarantees 8 readable bytes.
         let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
@@ -245,6 +254,24 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{Avx2, EXP2_MIN, EXP2_POLY, Kernel, KernelFn, exp2_poly};
+
+    /// The low (or, with `high`, the high) nibbles of 8 bytes, one per 32-bit lane.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes, and this CPU has AVX2 (an `Avx2` value exists).
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8, high: bool) -> __m256i {
+        // SAFETY: the caller's contract. One zero-extending load gives a byte per lane; both
+        // halves of a chunk load the same address, which the compiler merges.
+        unsafe {
+            let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()));
+            if high {
+                _mm256_srli_epi32::<4>(bytes)
+            } else {
+                _mm256_and_si256(bytes, _mm256_set1_epi32(15))
+            }
+        }
+    }
 
     // SAFETY (every `unsafe` block below): a value of `Avx2` exists only after AVX2, FMA and
     // F16C were detected on this CPU (see `dispatch`); memory is accessed only where the caller
@@ -341,17 +368,22 @@ mod avx2 {
 
         #[inline(always)]
         unsafe fn nib8(self, p: *const u8, high: bool) -> __m256 {
-            // SAFETY: see the module note; the caller guarantees 8 readable bytes. One
-            // zero-extending load gives a byte per lane; both halves of a chunk load the same
-            // address, which the compiler merges.
+            // SAFETY: the caller guarantees 8 readable bytes.
+            unsafe { _mm256_cvtepi32_ps(nibbles(p, high)) }
+        }
+
+        #[inline(always)]
+        unsafe fn nib8_table(self, p: *const u8, high: bool, table: &[f32; 16]) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes and `table`
+            // holds 16 floats. Two 8-entry lane permutes read the low 3 bits of each code; bit
+            // 3, shifted into the sign, picks between them.
             unsafe {
-                let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()));
-                let codes = if high {
-                    _mm256_srli_epi32::<4>(bytes)
-                } else {
-                    _mm256_and_si256(bytes, _mm256_set1_epi32(15))
-                };
-                _mm256_cvtepi32_ps(codes)
+                let codes = nibbles(p, high);
+                let low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table.as_ptr()), codes);
+                let high_half =
+                    _mm256_permutevar8x32_ps(_mm256_loadu_ps(table.as_ptr().add(8)), codes);
+                let pick = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(codes));
+                _mm256_blendv_ps(low, high_half, pick)
             }
         }
 
@@ -498,6 +530,7 @@ mod tests {
                 .collect();
             let bytes = [0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a];
             let table = k.crumb_table(0.5, -1.0);
+            let levels: [f32; 16] = std::array::from_fn(|i| (i * i) as f32 * 0.0625);
             let mut out = Vec::new();
             let mut buf = [0f32; 8];
             // SAFETY: `a` and `b` hold 8 floats each.
@@ -510,6 +543,8 @@ mod tests {
                 unsafe { k.i8x8(bytes.as_ptr()) },
                 unsafe { k.nib8(bytes.as_ptr(), false) },
                 unsafe { k.nib8(bytes.as_ptr(), true) },
+                unsafe { k.nib8_table(bytes.as_ptr(), false, &levels) },
+                unsafe { k.nib8_table(bytes.as_ptr(), true, &levels) },
                 unsafe { k.crumb8(bytes.as_ptr(), 0, table) },
                 unsafe { k.crumb8(bytes.as_ptr(), 1, table) },
                 unsafe { k.crumb8(bytes.as_ptr(), 2, table) },
@@ -561,6 +596,9 @@ mod tests {
             &portable[40..48],
             &[1.0, 15.0, 7.0, 8.0, 0.0, 15.0, 0.0, 5.0]
         );
+        // The nibbles looked up in the table of i²/16.
+        let looked_up: Vec<f32> = portable[32..48].iter().map(|&c| c * c * 0.0625).collect();
+        assert_eq!(&portable[48..64], &looked_up[..]);
         let crumbs: Vec<f32> = [
             [0, 2, 3, 0, 1, 3, 0, 2],
             [0, 0, 3, 0, 0, 3, 0, 2],
@@ -571,7 +609,7 @@ mod tests {
         .flatten()
         .map(|&c| 0.5 * c as f32 - 1.0)
         .collect();
-        assert_eq!(&portable[48..80], &crumbs[..]);
+        assert_eq!(&portable[64..96], &crumbs[..]);
     }
 
     /// `(max_of, exp2_shifted_sum, the shifted values)` of some scores.

@@ -117,7 +117,8 @@ pub(crate) fn metadata<'c>(content: &'c Content, key: &str) -> Result<&'c Value,
 /// and the queries likewise), then the chunk's queries attend causally over the stored tokens.
 ///
 /// Outlier thresholds (schemes with `outliers`) are calibrated per layer from that layer's keys
-/// (and values, for `outliers=kv`) of the first chunk, just before it is appended.
+/// (and values, for `outliers=kv`) of the first chunk, just before it is appended; so are the
+/// codebooks of `nuq` schemes, after the thresholds.
 pub struct CacheAttention {
     cache: KvCache,
     calibrated: Vec<bool>,
@@ -170,9 +171,9 @@ impl Attention for CacheAttention {
         v: &[f32],
         out: &mut [f32],
     ) -> Result<(), EvalError> {
-        if self.cache.config().scheme.outliers.is_some() && !self.calibrated[layer] {
+        if !self.calibrated[layer] {
             let position = self.cache.len(layer, 0)?;
-            self.cache.calibrate_outliers(layer, k, v, position)?;
+            self.cache.calibrate(layer, k, v, position)?;
             self.calibrated[layer] = true;
         }
         self.cache.append(layer, 0, k, v)?;

@@ -36,9 +36,9 @@ use crate::abi::{
 use crate::backend::{Backend, Engine, GFX1201_COMPUTE_UNITS, cpu, device, open_engine};
 use crate::error::{Error, Result};
 use crate::hip::{Device, StreamHandle};
-use crate::quant::OutlierThresholds;
+use crate::quant::{Codebook, MAX_LEVELS, OutlierThresholds};
 use crate::rope::RopeTable;
-use crate::scheme::Stream;
+use crate::scheme::{Stream, StreamSet};
 
 pub use crate::backend::DeviceMemory;
 pub use layout::{BatchLimits, Layout, LayoutSpec};
@@ -134,8 +134,15 @@ struct Thresholds {
     v: Option<DeviceMemory>,
 }
 
+/// The codebooks of one layer: in the backend's memory (the key levels at float 0, the value
+/// levels at float `MAX_LEVELS`, `2^bits` each) and on the host.
+struct LayerCodebooks {
+    mem: DeviceMemory,
+    books: [Option<Codebook>; 2],
+}
+
 /// A paged KV cache on one backend: the layout, the state pool of every sequence slot and layer,
-/// the sticky error word, and the per-layer outlier thresholds. The blocks themselves are the
+/// the sticky error word, and the per-layer outlier thresholds and codebooks. The blocks themselves are the
 /// server's: each call takes the address of one layer's `layout.cache_bytes()`.
 pub struct PagedCache {
     layout: Layout,
@@ -148,6 +155,8 @@ pub struct PagedCache {
     /// The outliers dropped for lack of slots (one u64).
     dropped: DeviceMemory,
     thresholds: Vec<Option<Thresholds>>,
+    /// Per layer, the codebooks of `nuq` schemes.
+    codebooks: Vec<Option<LayerCodebooks>>,
     /// The RoPE cos/sin table `pre_rope` keys are rotated with.
     rope: Option<DeviceMemory>,
     /// The same table on the host, for the CPU backend.
@@ -171,6 +180,13 @@ impl PagedCache {
             return Err(Error::Unsupported("layers must be positive".into()));
         }
         let spec = layout.spec();
+        if spec.scheme.nuq != StreamSet::None && backend != Backend::Cpu {
+            return Err(Error::Unsupported(format!(
+                "scheme {} on the {backend:?} backend: codebooks (nuq) run on the CPU backend \
+                 only; the HIP kernels do not decode them yet",
+                spec.scheme
+            )));
+        }
         let engine = open_engine(backend, spec.head_dim)?;
         let state_bytes = (spec.max_seqs as u128)
             .checked_mul(layers as u128 * layout.state_bytes() as u128)
@@ -203,6 +219,7 @@ impl PagedCache {
             error,
             dropped,
             thresholds: (0..layers).map(|_| None).collect(),
+            codebooks: (0..layers).map(|_| None).collect(),
             rope,
             rope_table,
         })
@@ -308,6 +325,66 @@ impl PagedCache {
             || self.thresholds.get(layer).is_some_and(Option::is_some)
     }
 
+    /// Sets a layer's codebooks: one for each stream the scheme's `nuq` names, of that stream's
+    /// code width, `None` for the others. Setup time: it allocates and copies.
+    pub fn set_codebooks(
+        &mut self,
+        layer: usize,
+        k: Option<&Codebook>,
+        v: Option<&Codebook>,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let scheme = self.layout.scheme();
+        let mut levels = [0f32; 2 * MAX_LEVELS];
+        for (i, (stream, book)) in [(Stream::K, k), (Stream::V, v)].into_iter().enumerate() {
+            match (scheme.nuq.applies(stream), book) {
+                (true, Some(b)) if Some(b.bits()) == scheme.low_bits(stream) => {
+                    levels[i * MAX_LEVELS..][..b.levels().len()].copy_from_slice(b.levels());
+                }
+                (false, None) => {}
+                (wants, _) => {
+                    return Err(Error::Unsupported(format!(
+                        "scheme {scheme} takes {} {stream} codebook{}",
+                        if wants { "a" } else { "no" },
+                        scheme
+                            .low_bits(stream)
+                            .filter(|_| wants)
+                            .map_or(String::new(), |b| format!(" of {}-bit codes", b.bits())),
+                    )));
+                }
+            }
+        }
+        let mem = self.engine.alloc(size_of_val(&levels))?;
+        self.engine
+            .upload(&mem, 0, as_bytes(&levels), StreamHandle::DEFAULT)?;
+        self.codebooks[layer] = Some(LayerCodebooks {
+            mem,
+            books: [k.cloned(), v.cloned()],
+        });
+        Ok(())
+    }
+
+    /// Whether `layer` has the codebooks its scheme needs.
+    pub fn has_codebooks(&self, layer: usize) -> bool {
+        self.layout.scheme().nuq == StreamSet::None
+            || self.codebooks.get(layer).is_some_and(Option::is_some)
+    }
+
+    /// The device address of `layer`'s codebook of `stream` (null: uniform codes).
+    fn levels(&self, layer: usize, stream: Stream) -> *const f32 {
+        match &self.codebooks[layer] {
+            Some(c) if self.layout.scheme().nuq.applies(stream) => {
+                let offset = if stream == Stream::K {
+                    0
+                } else {
+                    MAX_LEVELS * 4
+                };
+                (c.mem.addr() + offset as u64) as *const f32
+            }
+            _ => std::ptr::null(),
+        }
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         if layer >= self.layers {
             return Err(Error::OutOfRange {
@@ -344,6 +421,9 @@ impl PagedCache {
         self.check_layer(layer)?;
         if !self.has_thresholds(layer) {
             return Err(Error::OutliersNotCalibrated { layer });
+        }
+        if !self.has_codebooks(layer) {
+            return Err(Error::CodebooksNotCalibrated { layer });
         }
         if batch.tokens == 0 {
             return Ok(());
@@ -383,6 +463,7 @@ impl PagedCache {
                 outlier_lo: if lo == 0 { 0 } else { lo } as *const f32,
                 outlier_hi: if lo == 0 { 0 } else { lo + hi_offset } as *const f32,
                 outliers_dropped: self.dropped.addr() as *mut u64,
+                levels: self.levels(layer, stream_kind),
                 error: self.error.addr() as *mut hipkv_device_error,
             };
             // SAFETY: the caller's contract; the state pool, error word, counter and
@@ -444,6 +525,9 @@ impl PagedCache {
         limits: BatchLimits,
     ) -> Result<(AttendPlan, hipkv_attn_params)> {
         self.check_layer(layer)?;
+        if !self.has_codebooks(layer) {
+            return Err(Error::CodebooksNotCalibrated { layer });
+        }
         let spec = self.layout.spec();
         let bt = self.layout.block_tokens();
         let widest = spec.max_positions.div_ceil(bt);
@@ -533,6 +617,8 @@ impl PagedCache {
             partial_acc: std::ptr::null_mut(),
             partial_max: std::ptr::null_mut(),
             partial_sum: std::ptr::null_mut(),
+            k_levels: self.levels(layer, Stream::K),
+            v_levels: self.levels(layer, Stream::V),
             error: self.error.addr() as *mut hipkv_device_error,
         };
         Ok((plan, params))
@@ -732,10 +818,15 @@ impl PagedCache {
             });
         }
         let state = self.download_state(layer, slot)?;
+        let books = match &self.codebooks[layer] {
+            Some(c) => [c.books[0].as_ref(), c.books[1].as_ref()],
+            None => [None, None],
+        };
         let view = cpu::CacheView {
             layout: &self.layout,
             cache: host,
             rope: None,
+            books,
         };
         let seq = cpu::PagedSeq {
             len,

@@ -7,9 +7,11 @@
 //! parameters that dequantization will use. A constant group of an asymmetric format gets scale
 //! 0 and dequantizes exactly to its minimum; an all-zero group of a symmetric format gets scale 0.
 
+mod codebook;
 mod outliers;
 mod rotation;
 
+pub use codebook::{Codebook, MAX_LEVELS};
 pub use outliers::{Outlier, OutlierThresholds, split_outliers};
 pub use rotation::{hadamard, hadamard_exact, hadamard_rows, hadamard_scale, hadamard_scale_f64};
 
@@ -39,15 +41,24 @@ fn asym_params(lo: f32, hi: f32, bits: LowBits) -> (f32, f32) {
     (scale, f16::from_f32(lo).to_f32())
 }
 
-/// The code of `x` in an asymmetric group.
+/// The code of `x` in an asymmetric group: the nearest level of `book`, or without one
+/// `round((x − min) / scale)`.
 #[inline(always)]
-fn asym_code(x: f32, scale: f32, min: f32, bits: LowBits) -> u8 {
+fn asym_code(x: f32, scale: f32, min: f32, bits: LowBits, book: Option<&Codebook>) -> u8 {
     if scale == 0.0 {
         return 0;
     }
-    ((x - min) / scale)
-        .round()
-        .clamp(0.0, f32::from(bits.max_code())) as u8
+    let u = (x - min) / scale;
+    match book {
+        Some(book) => book.code(u),
+        None => u.round().clamp(0.0, f32::from(bits.max_code())) as u8,
+    }
+}
+
+/// What code `code` of an asymmetric format decodes to, in code units.
+#[inline(always)]
+fn asym_level(code: u8, book: Option<&Codebook>) -> f32 {
+    book.map_or(f32::from(code), |b| b.level(code))
 }
 
 /// The code of `x` in a symmetric int8 group.
@@ -94,8 +105,15 @@ pub fn unpack_codes(row: &[u8], bits: LowBits, out: &mut [u8]) {
 /// Quantizes one token of one head in a per-token format (`F16`, `Q8`, `Q8_0`, `Tok`).
 ///
 /// `row` receives `format.row_bytes(x.len())` bytes; `params` this token's parameters
-/// (`params_bytes(1, head_dim)` bytes).
-pub fn quantize_row(format: Format, x: &[f32], row: &mut [u8], params: &mut [u8]) {
+/// (`params_bytes(1, head_dim)` bytes). `book`: the stream's codebook (`Tok` formats of `nuq`
+/// schemes), else `None`.
+pub fn quantize_row(
+    format: Format,
+    x: &[f32],
+    row: &mut [u8],
+    params: &mut [u8],
+    book: Option<&Codebook>,
+) {
     let d = x.len();
     match format {
         Format::F16 => {
@@ -131,7 +149,7 @@ pub fn quantize_row(format: Format, x: &[f32], row: &mut [u8], params: &mut [u8]
                 put_f16(params, 4 * gi, f16::from_f32(scale));
                 put_f16(params, 4 * gi + 2, f16::from_f32(min));
                 for (c, &v) in codes[gi * g..].iter_mut().zip(xs) {
-                    *c = asym_code(v, scale, min, bits);
+                    *c = asym_code(v, scale, min, bits, book);
                 }
             }
             pack_codes(&codes[..d], bits, row);
@@ -140,8 +158,15 @@ pub fn quantize_row(format: Format, x: &[f32], row: &mut [u8], params: &mut [u8]
     }
 }
 
-/// Dequantizes one token of one head stored in a per-token format.
-pub fn dequantize_row(format: Format, row: &[u8], params: &[u8], out: &mut [f32]) {
+/// Dequantizes one token of one head stored in a per-token format (`book` as for
+/// [`quantize_row`]).
+pub fn dequantize_row(
+    format: Format,
+    row: &[u8],
+    params: &[u8],
+    out: &mut [f32],
+    book: Option<&Codebook>,
+) {
     let d = out.len();
     match format {
         Format::F16 => {
@@ -172,7 +197,7 @@ pub fn dequantize_row(format: Format, row: &[u8], params: &[u8], out: &mut [f32]
                 let gi = j / g;
                 let scale = get_f16(params, 4 * gi);
                 let min = get_f16(params, 4 * gi + 2);
-                *o = min + scale * f32::from(code_at(row, bits, j));
+                *o = min + scale * asym_level(code_at(row, bits, j), book);
             }
         }
         Format::Chan { .. } => unreachable!("use dequantize_chan_row"),
@@ -182,13 +207,14 @@ pub fn dequantize_row(format: Format, row: &[u8], params: &[u8], out: &mut [f32]
 /// Quantizes a full group of `tokens` tokens of one head per channel (`Format::Chan`).
 ///
 /// `x` is token-major (`tokens × head_dim`); `rows` receives `tokens` packed rows; `params`
-/// one `(f16 scale, f16 min)` pair per channel.
+/// one `(f16 scale, f16 min)` pair per channel; `book` the stream's codebook (`nuq`).
 pub fn quantize_chan(
     bits: LowBits,
     x: &[f32],
     head_dim: usize,
     rows: &mut [u8],
     params: &mut [u8],
+    book: Option<&Codebook>,
 ) {
     let tokens = x.len() / head_dim;
     let row_bytes = head_dim / bits.codes_per_byte();
@@ -207,16 +233,64 @@ pub fn quantize_chan(
     for t in 0..tokens {
         for (c, code) in codes.iter_mut().enumerate() {
             let (scale, min) = scales[c];
-            *code = asym_code(x[t * head_dim + c], scale, min, bits);
+            *code = asym_code(x[t * head_dim + c], scale, min, bits, book);
         }
         pack_codes(&codes, bits, &mut rows[t * row_bytes..(t + 1) * row_bytes]);
     }
 }
 
 /// Dequantizes one token of a per-channel group.
-pub fn dequantize_chan_row(bits: LowBits, row: &[u8], params: &[u8], out: &mut [f32]) {
+pub fn dequantize_chan_row(
+    bits: LowBits,
+    row: &[u8],
+    params: &[u8],
+    out: &mut [f32],
+    book: Option<&Codebook>,
+) {
     for (c, o) in out.iter_mut().enumerate() {
-        *o = get_f16(params, 4 * c + 2) + get_f16(params, 4 * c) * f32::from(code_at(row, bits, c));
+        let level = asym_level(code_at(row, bits, c), book);
+        *o = get_f16(params, 4 * c + 2) + get_f16(params, 4 * c) * level;
+    }
+}
+
+/// The normalized values `u = (x − min) / scale` that the quantizer of a 4- or 2-bit `format`
+/// computes for `x` (`tokens × head_dim` of one head, token-major), appended to `out`: per
+/// token and channel group for `Tok`, per channel over each `group_tokens` consecutive tokens
+/// for `Chan` (a last partial group too). Constant groups, which every codebook stores exactly,
+/// add nothing. What [`Codebook::fit`] is calibrated on.
+pub fn normalized_codes(
+    format: Format,
+    x: &[f32],
+    head_dim: usize,
+    group_tokens: usize,
+    out: &mut Vec<f32>,
+) {
+    let mut push = |xs: &mut dyn Iterator<Item = f32>, lo: f32, hi: f32, bits: LowBits| {
+        let (scale, min) = asym_params(lo, hi, bits);
+        if scale != 0.0 {
+            out.extend(xs.map(|v| (v - min) / scale));
+        }
+    };
+    match format {
+        Format::Tok { bits, group } => {
+            for xs in x.chunks_exact(group.size(head_dim)) {
+                let (lo, hi) = min_max(xs);
+                push(&mut xs.iter().copied(), lo, hi, bits);
+            }
+        }
+        Format::Chan { bits } => {
+            for page in x.chunks(group_tokens * head_dim) {
+                for c in 0..head_dim {
+                    let column = || page.iter().skip(c).step_by(head_dim).copied();
+                    let (lo, hi) = column()
+                        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), v| {
+                            (l.min(v), h.max(v))
+                        });
+                    push(&mut column(), lo, hi, bits);
+                }
+            }
+        }
+        Format::F16 | Format::Q8 | Format::Q8_0 => {}
     }
 }
 

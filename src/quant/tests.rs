@@ -26,6 +26,12 @@
 //! `2^-23`), which can only flip a rounding decision within `|x - m|·2^-23` of a half-way point,
 //! costing at most `|x - m|·2^-22`; `x̂ = fl(m + s·c)` is one rounding (`s·c` is exact: 11 by 8
 //! bits), `2^-24·|x̂|`. The checks below add exactly these terms and nothing else.
+//!
+//! With a codebook (`nuq`) of levels `L[0] < … < L[M]` in `[0, M]`, `x̂ = m + s·L[c]` with the
+//! nearest level: inside the range the error is at most `s·max(L[i+1] − L[i])/2`; below the
+//! first level `(m − lo)⁺ + s·L[0]`, above the last `M·(s* − s) + lo − m + s·(M − L[M])`; and
+//! `s·L[c]` is no longer exact in f32, which adds `2^-24·s·M`. The uniform codebook `L[i] = i`
+//! gives back the bound above.
 
 use half::f16;
 use proptest::collection::vec;
@@ -79,6 +85,7 @@ fn check_scale(s: f32, exact: f64, what: &str) {
 
 /// Checks one asymmetric group: parameters, nearest-code choice, the dequantization formula and
 /// the error bound of the module comment. `codes[j]` and `deq[j]` belong to `xs[j]`.
+#[allow(clippy::too_many_arguments)]
 fn check_asym_group(
     xs: &[f32],
     codes: &[u8],
@@ -86,6 +93,7 @@ fn check_asym_group(
     s: f32,
     m: f32,
     bits: LowBits,
+    book: Option<&Codebook>,
     what: &str,
 ) {
     let (lo, hi) = min_max(xs);
@@ -95,24 +103,35 @@ fn check_asym_group(
     assert_eq!(m, round_f16(lo as f32), "{what}: min");
     check_scale(s, exact, what);
     let (s64, m64) = (f64::from(s), f64::from(m));
-    let core = (s64 / 2.0)
-        .max(m64 - lo)
-        .max(big_m * (exact - s64) + lo - m64)
+    let level = |c: u8| book.map_or(f32::from(c), |b| b.level(c));
+    let levels: Vec<f64> = (0..=bits.max_code()).map(|c| f64::from(level(c))).collect();
+    let half_gap = levels
+        .windows(2)
+        .map(|w| (w[1] - w[0]) / 2.0)
+        .fold(0.0, f64::max);
+    let core = (s64 * half_gap)
+        .max(m64 - lo + s64 * levels[0])
+        .max(big_m * (exact - s64) + lo - m64 + s64 * (big_m - levels[levels.len() - 1]))
         .max(0.0);
+    let product = if book.is_some() {
+        s64 * big_m * U32
+    } else {
+        0.0
+    };
     for (j, ((&x, &c), &y)) in xs.iter().zip(codes).zip(deq).enumerate() {
         let x = f64::from(x);
         assert!(c <= bits.max_code(), "{what}[{j}]: code {c}");
         // The stored value is the formula applied to the stored parameters, in f32.
-        assert_eq!(y, m + s * f32::from(c), "{what}[{j}]: dequantization");
+        assert_eq!(y, m + s * level(c), "{what}[{j}]: dequantization");
         if s == 0.0 {
             assert_eq!(c, 0, "{what}[{j}]: zero scale, code {c}");
         } else {
-            // Nearest code against the stored (f16) parameters.
-            let e = |c: f64| (x - (m64 + s64 * c)).abs();
-            let c = f64::from(c);
-            let slack = (x - m64).abs() * 2.0 * 2.0 * U32;
-            for other in [c - 1.0, c + 1.0] {
-                if (0.0..=big_m).contains(&other) {
+            // Nearest level against the stored (f16) parameters.
+            let e = |c: usize| (x - (m64 + s64 * levels[c])).abs();
+            let c = usize::from(c);
+            let slack = (x - m64).abs() * 2.0 * 2.0 * U32 + product;
+            for other in [c.wrapping_sub(1), c + 1] {
+                if other < levels.len() {
                     assert!(
                         e(c) <= e(other) + slack,
                         "{what}[{j}]: x={x} code {c} is not the nearest (s={s}, m={m})"
@@ -120,7 +139,7 @@ fn check_asym_group(
                 }
             }
         }
-        let bound = core + (x - m64).abs() * 4.0 * U32 + f64::from(y).abs() * U32;
+        let bound = core + (x - m64).abs() * 4.0 * U32 + f64::from(y).abs() * U32 + product;
         let err = (x - f64::from(y)).abs();
         assert!(
             err <= bound,
@@ -165,14 +184,14 @@ fn check_sym_group(xs: &[f32], codes: &[u8], deq: &[f32], s: f32, what: &str) {
 
 /// Quantizes `x` (one token of one head) in a per-token format and checks everything the format
 /// promises: only its bytes are written, the layout, the codes and the error bound.
-fn check_row(format: Format, x: &[f32]) {
+fn check_row(format: Format, x: &[f32], book: Option<&Codebook>) {
     let d = x.len();
-    let what = format!("{format} d={d}");
+    let what = format!("{format} d={d} codebook {:?}", book.map(Codebook::levels));
     let (rb, pb) = (format.row_bytes(d), format.params_bytes(1, d));
     // Sentinel bytes after the row and the parameters must survive.
     let mut row = vec![0xA5u8; rb + 16];
     let mut params = vec![0xA5u8; pb + 16];
-    quantize_row(format, x, &mut row[..rb], &mut params[..pb]);
+    quantize_row(format, x, &mut row[..rb], &mut params[..pb], book);
     assert!(
         row[rb..].iter().all(|&b| b == 0xA5),
         "{what}: wrote past the row"
@@ -183,7 +202,7 @@ fn check_row(format: Format, x: &[f32]) {
     );
     let (row, params) = (&row[..rb], &params[..pb]);
     let mut deq = vec![f32::NAN; d];
-    dequantize_row(format, row, params, &mut deq);
+    dequantize_row(format, row, params, &mut deq, book);
     match format {
         Format::F16 => {
             for (j, (&a, &b)) in x.iter().zip(&deq).enumerate() {
@@ -215,7 +234,8 @@ fn check_row(format: Format, x: &[f32]) {
                 let r = gi * g..(gi + 1) * g;
                 let what = format!("{what} group {gi}");
                 let (s, m) = (get_f16(params, 4 * gi), get_f16(params, 4 * gi + 2));
-                check_asym_group(&x[r.clone()], &codes[r.clone()], &deq[r], s, m, bits, &what);
+                let (xs, cs) = (&x[r.clone()], &codes[r.clone()]);
+                check_asym_group(xs, cs, &deq[r], s, m, bits, book, &what);
             }
         }
         Format::Chan { .. } => unreachable!(),
@@ -223,9 +243,13 @@ fn check_row(format: Format, x: &[f32]) {
 }
 
 /// Quantizes a `tokens × head_dim` group per channel and checks every channel.
-fn check_chan(bits: LowBits, x: &[f32], head_dim: usize) {
+fn check_chan(bits: LowBits, x: &[f32], head_dim: usize, book: Option<&Codebook>) {
     let tokens = x.len() / head_dim;
-    let what = format!("q{}_chan d={head_dim} tokens={tokens}", bits.bits());
+    let what = format!(
+        "q{}_chan d={head_dim} tokens={tokens} codebook {:?}",
+        bits.bits(),
+        book.map(Codebook::levels)
+    );
     let rb = Format::Chan { bits }.row_bytes(head_dim);
     let pb = Format::Chan { bits }.params_bytes(tokens, head_dim);
     assert_eq!(
@@ -241,6 +265,7 @@ fn check_chan(bits: LowBits, x: &[f32], head_dim: usize) {
         head_dim,
         &mut rows[..tokens * rb],
         &mut params[..pb],
+        book,
     );
     assert!(
         rows[tokens * rb..].iter().all(|&b| b == 0xA5),
@@ -255,7 +280,7 @@ fn check_chan(bits: LowBits, x: &[f32], head_dim: usize) {
     for t in 0..tokens {
         let row = &rows[t * rb..(t + 1) * rb];
         let r = t * head_dim..(t + 1) * head_dim;
-        dequantize_chan_row(bits, row, &params, &mut deq[r.clone()]);
+        dequantize_chan_row(bits, row, &params, &mut deq[r.clone()], book);
         unpack_codes(row, bits, &mut codes[r]);
         let mut repacked = vec![0u8; rb];
         pack_codes(
@@ -275,9 +300,28 @@ fn check_chan(bits: LowBits, x: &[f32], head_dim: usize) {
             get_f16(&params, 4 * c),
             get_f16(&params, 4 * c + 2),
             bits,
+            book,
             &format!("{what} channel {c}"),
         );
     }
+}
+
+/// A valid codebook of `bits` from arbitrary numbers in [0, 1): their running sums, spread over
+/// a random part of `[0, M]` (so the first and last levels need not be 0 and M).
+fn arbitrary_book(bits: LowBits, raw: &[f32]) -> Codebook {
+    let n = 1usize << bits.bits();
+    let top = f32::from(bits.max_code());
+    let steps: Vec<f32> = raw[..n].iter().map(|r| 0.05 + r).collect();
+    let total: f32 = steps.iter().sum();
+    let mut acc = 0.0;
+    let levels: Vec<f32> = steps
+        .iter()
+        .map(|s| {
+            acc += s;
+            (acc - steps[0] * raw[n % raw.len()]) / total * top
+        })
+        .collect();
+    Codebook::new(bits, &levels).unwrap()
 }
 
 /// A finite f16 from arbitrary bits (Inf/NaN patterns lose their top exponent bit).
@@ -357,14 +401,31 @@ proptest! {
     #[test]
     fn per_token_formats_meet_the_error_bound(x in row_case()) {
         for format in per_token_formats() {
-            check_row(format, &x);
+            check_row(format, &x, None);
         }
     }
 
     #[test]
     fn per_channel_formats_meet_the_error_bound((d, x) in chan_case()) {
-        check_chan(LowBits::Four, &x, d);
-        check_chan(LowBits::Two, &x, d);
+        check_chan(LowBits::Four, &x, d, None);
+        check_chan(LowBits::Two, &x, d, None);
+    }
+
+    #[test]
+    fn codebooks_meet_the_error_bound(
+        x in row_case(),
+        (d, xc) in chan_case(),
+        levels in vec(0.0f32..1.0, 16),
+    ) {
+        for bits in [LowBits::Four, LowBits::Two] {
+            let book = arbitrary_book(bits, &levels);
+            for format in per_token_formats() {
+                if matches!(format, Format::Tok { bits: b, .. } if b == bits) {
+                    check_row(format, &x, Some(&book));
+                }
+            }
+            check_chan(bits, &xc, d, Some(&book));
+        }
     }
 
     #[test]
@@ -400,9 +461,9 @@ fn constant_group_dequantizes_exactly() {
         let format: Format = f.parse().unwrap();
         let mut row = vec![0u8; format.row_bytes(64)];
         let mut params = vec![0u8; format.params_bytes(1, 64)];
-        quantize_row(format, &x, &mut row, &mut params);
+        quantize_row(format, &x, &mut row, &mut params, None);
         let mut out = vec![0f32; 64];
-        dequantize_row(format, &row, &params, &mut out);
+        dequantize_row(format, &row, &params, &mut out, None);
         assert_eq!(out, x, "{f}");
         assert_eq!(get_f16(&params, 0), 0.0, "{f}: scale");
     }
@@ -429,7 +490,7 @@ fn ties_round_away_from_zero() {
     x[..6].copy_from_slice(&[127.0, 2.5, -2.5, 0.5, -0.5, 1.5]);
     let mut row = vec![0u8; 64];
     let mut params = [0u8; 2];
-    quantize_row(Format::Q8, &x, &mut row, &mut params);
+    quantize_row(Format::Q8, &x, &mut row, &mut params, None);
     assert_eq!(get_f16(&params, 0), 1.0);
     let codes: Vec<i8> = row[..6].iter().map(|&b| b as i8).collect();
     assert_eq!(codes, [127, 3, -3, 1, -1, 2]);
@@ -439,7 +500,7 @@ fn ties_round_away_from_zero() {
     let format = tok(LowBits::Four, ChannelGroup::Head);
     let mut row = vec![0u8; 32];
     let mut params = [0u8; 4];
-    quantize_row(format, &x, &mut row, &mut params);
+    quantize_row(format, &x, &mut row, &mut params, None);
     assert_eq!((get_f16(&params, 0), get_f16(&params, 2)), (1.0, 0.0));
     assert_eq!(row[..2], [0x3F, 0x18]);
 }
@@ -482,12 +543,15 @@ fn edge_inputs_meet_the_error_bound() {
         cases.push(("huge among tiny", spike));
         for (name, x) in &cases {
             for format in per_token_formats() {
-                check_row(format, x);
+                check_row(format, x, None);
+                if let Format::Tok { bits, .. } = format {
+                    check_row(format, x, Some(&arbitrary_book(bits, &[0.5; 16])));
+                }
                 let mut row = vec![0u8; format.row_bytes(d)];
                 let mut params = vec![0u8; format.params_bytes(1, d)];
-                quantize_row(format, x, &mut row, &mut params);
+                quantize_row(format, x, &mut row, &mut params, None);
                 let mut out = vec![0f32; d];
-                dequantize_row(format, &row, &params, &mut out);
+                dequantize_row(format, &row, &params, &mut out, None);
                 let constant = x.iter().all(|&v| v == x[0]);
                 let exact = match format {
                     Format::F16 => true,
@@ -511,10 +575,11 @@ fn edge_inputs_meet_the_error_bound() {
             // the row turned into a column group (every channel sees the same edge values).
             for bits in [LowBits::Four, LowBits::Two] {
                 let repeated: Vec<f32> = (0..32).flat_map(|_| x.iter().copied()).collect();
-                check_chan(bits, &repeated, d);
+                check_chan(bits, &repeated, d, None);
+                check_chan(bits, &repeated, d, Some(&arbitrary_book(bits, &[0.3; 16])));
                 let mut rows = vec![0u8; 32 * d / bits.codes_per_byte()];
                 let mut params = vec![0u8; d * 4];
-                quantize_chan(bits, &repeated, d, &mut rows, &mut params);
+                quantize_chan(bits, &repeated, d, &mut rows, &mut params, None);
                 for (c, &xc) in x.iter().enumerate() {
                     assert_eq!(
                         get_f16(&params, 4 * c),
@@ -528,7 +593,8 @@ fn edge_inputs_meet_the_error_bound() {
                     );
                 }
                 let column: Vec<f32> = (0..32 * d).map(|i| x[(i / d + i % d) % d]).collect();
-                check_chan(bits, &column, d);
+                check_chan(bits, &column, d, None);
+                check_chan(bits, &column, d, Some(&arbitrary_book(bits, &[0.7; 16])));
             }
         }
     }
@@ -544,10 +610,10 @@ fn subnormal_and_clamped_scales_occur() {
     x[1] = -0.75 * 2f32.powi(-10);
     let mut row = vec![0u8; 64];
     let mut params = [0u8; 2];
-    quantize_row(Format::Q8, &x, &mut row, &mut params);
+    quantize_row(Format::Q8, &x, &mut row, &mut params, None);
     let s = get_f16(&params, 0);
     assert!(s > 0.0 && s < 2f32.powi(-14), "scale {s} is subnormal");
-    check_row(Format::Q8, &x);
+    check_row(Format::Q8, &x, None);
     // q4_tok@head over [0, 21·2^-24]: s* = 1.4·2^-24 rounds down to the subnormal 2^-24, so the
     // top element sits at u = 21 and clamps to code 15: error 6·2^-24 = M·(s* - s) > s/2.
     let mut x = vec![0f32; 64];
@@ -555,22 +621,22 @@ fn subnormal_and_clamped_scales_occur() {
     let format = tok(LowBits::Four, ChannelGroup::Head);
     let mut row = vec![0u8; 32];
     let mut params = [0u8; 4];
-    quantize_row(format, &x, &mut row, &mut params);
+    quantize_row(format, &x, &mut row, &mut params, None);
     assert_eq!(get_f16(&params, 0), tiny);
     let mut out = vec![0f32; 64];
-    dequantize_row(format, &row, &params, &mut out);
+    dequantize_row(format, &row, &params, &mut out, None);
     assert_eq!(out[5], 15.0 * tiny);
-    check_row(format, &x);
+    check_row(format, &x, None);
     // Range 2^-24 with q2: s* = 2^-24/3 rounds to 0, every code is 0, error 2^-24 = 3·s*.
     let mut x = vec![0f32; 64];
     x[9] = tiny;
     let format = tok(LowBits::Two, ChannelGroup::Head);
     let mut row = vec![0u8; 16];
-    quantize_row(format, &x, &mut row, &mut params);
+    quantize_row(format, &x, &mut row, &mut params, None);
     assert_eq!(get_f16(&params, 0), 0.0);
-    dequantize_row(format, &row, &params, &mut out);
+    dequantize_row(format, &row, &params, &mut out, None);
     assert_eq!(out[9], 0.0);
-    check_row(format, &x);
+    check_row(format, &x, None);
 }
 
 /// Dequantized values may leave the f16 range: q2 over `[-65504, 65504]` stores the scale
@@ -584,10 +650,10 @@ fn dequantized_values_can_exceed_the_f16_range() {
     let format = tok(LowBits::Two, ChannelGroup::Head);
     let mut row = vec![0u8; 16];
     let mut params = [0u8; 4];
-    quantize_row(format, &x, &mut row, &mut params);
+    quantize_row(format, &x, &mut row, &mut params, None);
     assert_eq!(get_f16(&params, 0), 43680.0);
     let mut out = vec![0f32; 64];
-    dequantize_row(format, &row, &params, &mut out);
+    dequantize_row(format, &row, &params, &mut out, None);
     assert_eq!(out[0], 65536.0);
     assert!(f16::from_f32(out[0]).is_infinite());
 }
@@ -602,7 +668,7 @@ fn q8_0_matches_llama_cpp_block_layout() {
     x[32..35].copy_from_slice(&[0.5, -0.25, 0.25]);
     let mut row = vec![0u8; Format::Q8_0.row_bytes(64)];
     assert_eq!(row.len(), 2 * Q8_0_BLOCK_BYTES);
-    quantize_row(Format::Q8_0, &x, &mut row, &mut []);
+    quantize_row(Format::Q8_0, &x, &mut row, &mut [], None);
     let mut want = vec![0u8; 68];
     want[..8].copy_from_slice(&[0x00, 0x3C, 0x7F, 0x81, 0x03, 0xFD, 0x00, 100]);
     want[34..39].copy_from_slice(&[0x08, 0x1C, 127, (-64i8) as u8, 64]);
@@ -624,7 +690,7 @@ fn q8_0_codes_stay_within_one_of_ggml_reference() {
             .map(|v| sat_f16(v * 2f32.powi(e)))
             .collect();
         let mut row = vec![0u8; Format::Q8_0.row_bytes(128)];
-        quantize_row(Format::Q8_0, &x, &mut row, &mut []);
+        quantize_row(Format::Q8_0, &x, &mut row, &mut [], None);
         for (block, xs) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;

@@ -34,7 +34,7 @@ pub fn with_rope(mut c: CacheConfig, layout: RopeLayout) -> CacheConfig {
 }
 
 /// Fills sequence `seq` of layer 0 with `len` random tokens appended in chunks of `chunk`,
-/// calibrating outlier thresholds from the data first when the scheme needs them.
+/// calibrating outlier thresholds and codebooks from the data first when the scheme needs them.
 pub fn fill(
     cache: &mut KvCache,
     seq: usize,
@@ -46,8 +46,8 @@ pub fn fill(
     let width = c.kv_heads * c.head_dim;
     let k = hipkv::synth::keys_with_outlier_channels(rng, len, c.kv_heads, c.head_dim, 2, 6.0);
     let v = rng.normals(len * width);
-    if c.scheme.outliers.is_some() && len > 0 {
-        cache.calibrate_outliers(0, &k, &v, 0).unwrap();
+    if len > 0 {
+        cache.calibrate(0, &k, &v, 0).unwrap();
     }
     for start in (0..len).step_by(chunk.max(1)) {
         let end = (start + chunk).min(len);

@@ -1,7 +1,7 @@
 //! Each format's rows decoded into vector registers, 8 channels at a time, in the channel order
 //! the format packs them in; and the parameters of a run of rows converted to f32 once.
 
-use crate::quant::get_f16;
+use crate::quant::{Codebook, get_f16};
 use crate::scheme::{Format, LowBits, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 
 use super::super::simd::Kernel;
@@ -48,7 +48,10 @@ macro_rules! with_rows {
                 match bits {
                     LowBits::Four => {
                         let $rows = TokRows::<4> {
-                            codes: ChanCodes { packed },
+                            codes: ChanCodes {
+                                packed,
+                                book: s.book,
+                            },
                             params,
                             groups,
                             group_shift,
@@ -57,7 +60,10 @@ macro_rules! with_rows {
                     }
                     LowBits::Two => {
                         let $rows = TokRows::<2> {
-                            codes: ChanCodes { packed },
+                            codes: ChanCodes {
+                                packed,
+                                book: s.book,
+                            },
                             params,
                             groups,
                             group_shift,
@@ -71,12 +77,18 @@ macro_rules! with_rows {
                 assert!(min.len() == d && d.is_multiple_of(32));
                 match bits {
                     LowBits::Four => {
-                        let codes = ChanCodes::<4> { packed };
+                        let codes = ChanCodes::<4> {
+                            packed,
+                            book: s.book,
+                        };
                         let $rows = ChanRows { codes, scale, min };
                         $body
                     }
                     LowBits::Two => {
-                        let codes = ChanCodes::<2> { packed };
+                        let codes = ChanCodes::<2> {
+                            packed,
+                            book: s.book,
+                        };
                         let $rows = ChanRows { codes, scale, min };
                         $body
                     }
@@ -294,16 +306,32 @@ impl Rows for Q80Rows<'_> {
 }
 
 /// Bare low-bit codes: 16 (4-bit) or 32 (2-bit) positions per 8-byte load, in the
-/// [`Order::Nibbles`] or [`Order::Crumbs`] order. Used alone for per-channel keys, whose
-/// parameters are folded into the queries.
+/// [`Order::Nibbles`] or [`Order::Crumbs`] order, as the codes themselves or, with a codebook
+/// (`nuq`), as its levels. Used alone for per-channel keys, whose parameters are folded into
+/// the queries.
 #[derive(Clone, Copy)]
 pub(super) struct ChanCodes<'a, const BITS: usize> {
     pub(super) packed: Packed<'a>,
+    pub(super) book: Option<&'a Codebook>,
 }
 
 impl<const BITS: usize> ChanCodes<'_, BITS> {
+    /// The `crumb8` table of `scale · level + min` for this stream's levels.
+    #[inline(always)]
+    pub(super) fn crumb_table<K: Kernel>(&self, k: K, scale: f32, min: f32) -> K::V {
+        match self.book {
+            // SAFETY: a codebook's table holds 16 floats, the 2-bit levels repeated.
+            Some(b) => k.fmadd(
+                unsafe { k.load_ptr(b.table().as_ptr()) },
+                k.splat(scale),
+                k.splat(min),
+            ),
+            None => k.crumb_table(scale, min),
+        }
+    }
+
     /// `table[code]` for positions `c0 + 8j ..+ 8` of row `t` (`table` is used by 2-bit codes
-    /// only; 4-bit codes are converted).
+    /// only; 4-bit codes are converted, or looked up in the codebook).
     ///
     /// # Safety
     /// As [`Rows::row8`], for rows of `d · BITS / 8` bytes and `d` a multiple of 32.
@@ -325,7 +353,10 @@ impl<const BITS: usize> ChanCodes<'_, BITS> {
         unsafe {
             let p = self.packed.at(t, base * BITS / 8);
             if BITS == 4 {
-                k.nib8(p, j == 1)
+                match self.book {
+                    Some(b) => k.nib8_table(p, j == 1, b.table()),
+                    None => k.nib8(p, j == 1),
+                }
             } else {
                 k.crumb8(p, j as u32, table)
             }
@@ -339,7 +370,7 @@ impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
     #[inline(always)]
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
         // SAFETY: forwarded contract.
-        unsafe { self.lookup(k, t, c0, j, k.crumb_table(1.0, 0.0)) }
+        unsafe { self.lookup(k, t, c0, j, self.crumb_table(k, 1.0, 0.0)) }
     }
 }
 
@@ -372,7 +403,8 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
                 k.fmadd(codes, k.splat(scale), k.splat(min))
             } else {
                 // The table holds the four dequantized values.
-                self.codes.lookup(k, t, c0, j, k.crumb_table(scale, min))
+                let table = self.codes.crumb_table(k, scale, min);
+                self.codes.lookup(k, t, c0, j, table)
             }
         }
     }

@@ -118,13 +118,19 @@ pub(super) fn run_item<K: Kernel>(
             let packed = Packed::new(block.k.rows, block.k.row_bytes, n);
             match bits {
                 LowBits::Four => {
-                    let codes = ChanCodes::<4> { packed };
+                    let codes = ChanCodes::<4> {
+                        packed,
+                        book: block.k.book,
+                    };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                     let rows = ChanRows { codes, scale, min };
                     correct_scores(k, &rows, block, order, hq, &mut scores, g);
                 }
                 LowBits::Two => {
-                    let codes = ChanCodes::<2> { packed };
+                    let codes = ChanCodes::<2> {
+                        packed,
+                        book: block.k.book,
+                    };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                     let rows = ChanRows { codes, scale, min };
                     correct_scores(k, &rows, block, order, hq, &mut scores, g);

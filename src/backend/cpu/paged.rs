@@ -13,7 +13,7 @@ use crate::abi::{
     HIPKV_DTYPE_F16, hipkv_attn_params, hipkv_copy_params, hipkv_device_error, hipkv_write_params,
 };
 use crate::paged::Layout;
-use crate::quant::{self, put_f16};
+use crate::quant::{self, Codebook, put_f16};
 use crate::rope::RopeTable;
 use crate::scheme::{Format, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Stream, StreamLayout};
 
@@ -203,6 +203,22 @@ fn locate(
     })
 }
 
+/// The codebook at `levels` of a stream stored in `format` (null: none).
+///
+/// # Safety
+/// A non-null `levels` points to `2^bits` floats of the format.
+unsafe fn codebook(levels: *const f32, format: Format) -> Option<Codebook> {
+    let (Format::Tok { bits, .. } | Format::Chan { bits }) = format else {
+        return None;
+    };
+    if levels.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's contract.
+    let levels = unsafe { slice(levels, 1 << bits.bits()) };
+    Some(Codebook::new(bits, levels).expect("codebooks are checked when set"))
+}
+
 /// `write_kv` of one stream, as `hipkv_write_<format>` then `hipkv_write_residual`.
 ///
 /// # Safety
@@ -236,6 +252,8 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
             slice(p.outlier_hi, heads * d),
         )
     });
+    // SAFETY: the caller's contract.
+    let book = unsafe { codebook(p.levels, sl.format) };
     let x = p.x.cast::<u8>();
     let dtype = p.dtype;
     let rotated = layout.scheme().rotation.applies(kind);
@@ -334,6 +352,7 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
                         d,
                         &mut codes[sl.rows + skip * sl.row_bytes..sl.rows + bt * sl.row_bytes],
                         &mut params[..d * 4],
+                        book.as_ref(),
                     );
                 }
                 format => {
@@ -346,6 +365,7 @@ unsafe fn write_kv(p: &hipkv_write_params, layout: &Layout) {
                         &row,
                         &mut codes[sl.rows + t.offset * sl.row_bytes..][..sl.row_bytes],
                         &mut params[t.offset * pb..(t.offset + 1) * pb],
+                        book.as_ref(),
                     );
                 }
             }
@@ -485,10 +505,18 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
         .zip(&mut outs)
         .map(|((_, q), out)| ChunkQuery { q, out })
         .collect();
+    // SAFETY: non-null levels hold their stream's 2^bits floats.
+    let books = unsafe {
+        [
+            codebook(p.k_levels, spec.scheme.k),
+            codebook(p.v_levels, spec.scheme.v),
+        ]
+    };
     let view = CacheView {
         layout,
         cache,
         rope,
+        books: [books[0].as_ref(), books[1].as_ref()],
     };
     super::attend(&view, &seqs, &mut batch, p.softmax_scale);
     if spec.scheme.rotation.applies(Stream::V) {

@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use crate::paged::Layout;
-use crate::quant::{self, get_f16};
+use crate::quant::{self, Codebook, get_f16};
 use crate::rope::RopeTable;
 use crate::scheme::{Format, OUTLIER_COUNT_BYTES, OUTLIER_SLOT_BYTES, Stream};
 
@@ -15,6 +15,8 @@ pub(crate) struct CacheView<'a> {
     pub(crate) cache: &'a [u8],
     /// The RoPE table `pre_rope` keys are rotated with.
     pub(crate) rope: Option<&'a RopeTable>,
+    /// The layer's codebooks of keys and values (`nuq` streams).
+    pub(crate) books: [Option<&'a Codebook>; 2],
 }
 
 /// One sequence as attention reads it: its length, block table and this layer's slot state.
@@ -37,6 +39,8 @@ pub(crate) struct StreamBlock<'a> {
     pub(super) params: &'a [u8],
     /// Outlier counts and slots, when the stream has an outlier store.
     pub(super) outliers: Option<(&'a [u8], &'a [u8], usize)>,
+    /// The levels the codes decode to (`nuq`); `None`: the codes themselves.
+    pub(super) book: Option<&'a Codebook>,
 }
 
 impl<'a> StreamBlock<'a> {
@@ -48,6 +52,7 @@ impl<'a> StreamBlock<'a> {
             row_bytes: head_dim * 2,
             params: &[],
             outliers: None,
+            book: None,
         }
     }
 
@@ -82,9 +87,9 @@ impl<'a> StreamBlock<'a> {
     pub(crate) fn dequantize(&self, t: usize, out: &mut [f32]) {
         match self.format {
             Format::Chan { bits } => {
-                quant::dequantize_chan_row(bits, self.row(t), self.params, out)
+                quant::dequantize_chan_row(bits, self.row(t), self.params, out, self.book)
             }
-            f => quant::dequantize_row(f, self.row(t), self.token_params(t), out),
+            f => quant::dequantize_row(f, self.row(t), self.token_params(t), out, self.book),
         }
         for (c, x) in self.outliers(t) {
             out[c] = x;
@@ -174,6 +179,7 @@ impl<'a> CacheView<'a> {
                             sl.outlier_slots,
                         )
                     }),
+                    book: self.books[kind as usize],
                 }
             };
             // The window's R + g rows hold every position of the blocks holding the last R,

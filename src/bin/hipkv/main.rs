@@ -75,7 +75,7 @@ struct EvalArgs {
     tokens: usize,
     /// Schemes, separated by `,` where each starts with a preset or `k=` (`f16,q8,kivi2,pre_rope`
     /// is three), or by `;` [default: f16, q8, q8_0, q2_tok; q4_tok with and without outliers;
-    /// kivi4 and kivi2 with and without pre_rope and outliers].
+    /// kivi4 and kivi2 with and without pre_rope and outliers; kivi2 with codebooks (nuq)].
     #[arg(long)]
     schemes: Option<String>,
     /// Tokens per prefill chunk: appended to the cache, then attending to it.
@@ -112,14 +112,15 @@ fn restore_sigpipe() {
 /// What `hipkv eval` measures when no schemes are given.
 const EVAL_SCHEMES: &str = "f16;q8;q8_0;q4_tok;q4_tok,outliers;kivi4;kivi4,outliers;\
     kivi4,pre_rope;kivi4,pre_rope,outliers;q2_tok;kivi2;kivi2,outliers;kivi2,pre_rope;\
-    kivi2,pre_rope,outliers";
+    kivi2,pre_rope,outliers;kivi2,nuq";
 
 /// What `hipkv eval --frontier` searches when no schemes are given: per budget at head_dim 64
 /// (full pages), the candidates that fill it: 8-bit (132–136 bytes), 4-bit keys and values at
 /// 64-token pages and 64-channel value groups (72), one of them 2-bit (56), both 2-bit (40);
 /// with and without the value window, pre-RoPE keys and Walsh–Hadamard rotation (per-channel
-/// keys with rotated values, or both streams per token and rotated). The presets (80 and 48
-/// bytes) anchor the table.
+/// keys with rotated values, or both streams per token and rotated), and codebooks for the 2-bit
+/// streams (on SmolLM2 they did not help 4-bit ones). The presets (80 and 48 bytes) anchor the
+/// table.
 const FRONTIER_SCHEMES: &str = "q8_0;q8;kivi4;kivi4,pre_rope;kivi2;kivi2,pre_rope;\
     k=q4_chan,v=q4_tok@64,g=64,sinks=4;\
     k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128;\
@@ -129,11 +130,13 @@ const FRONTIER_SCHEMES: &str = "q8_0;q8;kivi4;kivi4,pre_rope;kivi2;kivi2,pre_rop
     k=q4_tok@64,v=q4_tok@64,g=64,sinks=4,rot;\
     k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope;\
     k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v;\
+    k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq=v;\
     k=q4_chan,v=q2_tok@64,g=64,sinks=4,pre_rope;\
     k=q4_tok@64,v=q2_tok@64,g=64,sinks=4,rot;\
     k=q2_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope;\
     k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope;\
     k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v;\
+    k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq;\
     k=q2_chan,v=q2_tok@64,g=64,sinks=4,pre_rope";
 
 #[derive(Args)]
@@ -353,6 +356,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
          rot (rot=k, rot=v): rows stored Walsh–Hadamard rotated; no bytes, one rotation of the\n\
          query and of the output per step.\n\
+         nuq (nuq=k, nuq=v): 4- and 2-bit codes decode through per-layer codebooks calibrated on\n\
+         the model (128 bytes per layer); CPU backend only for now.\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
          tokens in the sub-8-bit presets), the residual page of q*_chan keys (32 tokens) and the\n\
          value window (rv=; kivi*: the last 128 tokens' values, in 128 + 32 rows)."
@@ -816,10 +821,8 @@ fn bench_row(
     let sequences = (baseline.working_set / seq_bytes.max(1) + 1).max(2);
     let mut cache =
         KvCache::with_backend(shape.config(scheme, sequences, context), baseline.backend)?;
-    if scheme.outliers.is_some() {
-        let (k, v) = pool.first(context);
-        cache.calibrate_outliers(0, k, v, 0)?;
-    }
+    let (k, v) = pool.first(context);
+    cache.calibrate(0, k, v, 0)?;
     for seq in 0..sequences {
         progress.set_message(format!(
             "{scheme} @ {context}: filling sequence {}/{sequences}",
