@@ -11,6 +11,7 @@
 use std::sync::Mutex;
 
 use crate::backend::{Backend, DeviceMemory};
+use crate::calibration::{Calibration, LayerCalibration};
 use crate::error::{Error, Result};
 use crate::hip::{Device, StreamHandle};
 use crate::paged::{
@@ -256,6 +257,72 @@ impl KvCache {
         self.check_layer_seq(layer, 0)?;
         self.paged.set_outlier_thresholds(layer, &k, v.as_ref())?;
         self.layers[layer].outliers = Some((k, v));
+        Ok(())
+    }
+
+    /// What every layer has been calibrated to so far (for [`Calibration::to_text`]).
+    pub fn calibration(&self) -> Calibration {
+        Calibration {
+            scheme: self.config.scheme,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerCalibration {
+                    outliers: l.outliers.clone(),
+                    codebooks: l.codebooks.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Sets every layer's outlier thresholds and codebooks from `c` (a calibration file, or
+    /// another cache's [`calibration`](Self::calibration)): its scheme and shape must be this
+    /// cache's, and every layer must hold what the scheme needs. Checked before anything is set.
+    pub fn apply_calibration(&mut self, c: &Calibration) -> Result<()> {
+        let cfg = self.config;
+        let mismatch = |what, file: String, cache: String| {
+            Err(Error::CalibrationMismatch { what, file, cache })
+        };
+        if c.scheme != cfg.scheme {
+            return mismatch("scheme", c.scheme.to_string(), cfg.scheme.to_string());
+        }
+        let shape = |layers, heads, d| format!("{layers} layers × {heads} KV heads × head_dim {d}");
+        if (c.layers.len(), c.kv_heads, c.head_dim) != (cfg.layers, cfg.kv_heads, cfg.head_dim) {
+            return mismatch(
+                "shape",
+                shape(c.layers.len(), c.kv_heads, c.head_dim),
+                shape(cfg.layers, cfg.kv_heads, cfg.head_dim),
+            );
+        }
+        let scheme = cfg.scheme;
+        for (l, layer) in c.layers.iter().enumerate() {
+            let outliers_fit = match (&layer.outliers, scheme.outliers) {
+                (Some((_, v)), Some(o)) => v.is_some() == o.values,
+                (None, None) => true,
+                _ => false,
+            };
+            let wants = |s| scheme.nuq.applies(s);
+            let books_fit = match &layer.codebooks {
+                Some((k, v)) => (k.is_some(), v.is_some()) == (wants(Stream::K), wants(Stream::V)),
+                None => scheme.nuq == StreamSet::None,
+            };
+            if !(outliers_fit && books_fit) {
+                return Err(Error::CalibrationIncomplete {
+                    layer: l,
+                    scheme: scheme.to_string(),
+                });
+            }
+        }
+        for (l, layer) in c.layers.iter().enumerate() {
+            if let Some((k, v)) = &layer.outliers {
+                self.set_outlier_thresholds(l, k.clone(), v.clone())?;
+            }
+            if let Some((k, v)) = &layer.codebooks {
+                self.set_codebooks(l, k.clone(), v.clone())?;
+            }
+        }
         Ok(())
     }
 

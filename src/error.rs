@@ -75,6 +75,16 @@ pub enum Error {
     InvalidCodebook { bits: usize, problem: &'static str },
     #[error("layer {layer} has no codebooks: call calibrate_codebooks first")]
     CodebooksNotCalibrated { layer: usize },
+    #[error("calibration file, line {line}: {problem}")]
+    BadCalibration { line: usize, problem: &'static str },
+    #[error("calibration of layer {layer} does not hold what scheme {scheme} needs")]
+    CalibrationIncomplete { layer: usize, scheme: String },
+    #[error("calibration of {what} {file} does not fit a cache of {what} {cache}")]
+    CalibrationMismatch {
+        what: &'static str,
+        file: String,
+        cache: String,
+    },
     #[error("kernel {kernel} failed in the emulator: {message}")]
     Emulator { kernel: String, message: String },
     #[error("out of memory: {bytes} bytes asked of the {backend} backend")]

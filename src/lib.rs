@@ -6,6 +6,7 @@
 pub mod abi;
 pub mod backend;
 pub mod cache;
+pub mod calibration;
 pub mod capi;
 pub mod codeobj;
 pub mod error;
@@ -21,6 +22,7 @@ pub mod synth;
 
 pub use backend::{Backend, SplitPlan};
 pub use cache::{CacheConfig, KvCache, Query};
+pub use calibration::{Calibration, LayerCalibration};
 pub use error::{Error, Result};
 pub use quant::OutlierThresholds;
 pub use rope::{Rope, RopeLayout, RopeTable};

@@ -11,8 +11,8 @@ use hipkv::quant::{
 use hipkv::scheme::{HEAD_DIMS, PRESETS};
 use hipkv::synth::{Rng, keys_with_outlier_channels};
 use hipkv::{
-    Backend, CacheConfig, Error, Format, KvCache, LowBits, OutlierThresholds, RopeLayout,
-    RopeTable, Scheme, Stream, StreamSet,
+    Backend, CacheConfig, Calibration, Error, Format, KvCache, LowBits, OutlierThresholds,
+    RopeLayout, RopeTable, Scheme, Stream, StreamSet,
 };
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -1324,4 +1324,59 @@ fn codebook_errors_are_typed_and_write_nothing() {
     ));
     assert_eq!(cache.backend(), Backend::Cpu);
     assert_eq!(cache.len(0, 0).unwrap(), 8);
+}
+
+/// A cache's calibration, through its file text, makes another cache of the same scheme store
+/// the same bytes; a calibration of another scheme, shape or with a layer missing an item is
+/// refused before anything is set.
+#[test]
+fn calibrations_carry_over_through_their_text() {
+    let name = "kivi2,outliers=kv,nuq";
+    let cfg = CacheConfig {
+        layers: 2,
+        ..config(name, 2, 2, 64, 96)
+    };
+    let mut rng = Rng::new(12);
+    let (k, v) = kv(&mut rng, &cfg, 96);
+    let mut first = KvCache::new(cfg).unwrap();
+    for layer in 0..2 {
+        first.calibrate(layer, &k, &v, 0).unwrap();
+    }
+    let text = first.calibration().to_text();
+    let parsed = Calibration::parse(&text).unwrap();
+    assert_eq!(parsed, first.calibration());
+    let mut second = KvCache::new(cfg).unwrap();
+    second.apply_calibration(&parsed).unwrap();
+    for cache in [&mut first, &mut second] {
+        append_chunks(cache, 1, 0, &k, &v, 40);
+    }
+    assert_eq!(snapshot(&first, 1, 0), snapshot(&second, 1, 0));
+
+    let mut other = KvCache::new(cfg).unwrap();
+    let mut wrong = parsed.clone();
+    wrong.scheme = "kivi2,outliers=kv".parse().unwrap();
+    assert!(matches!(
+        other.apply_calibration(&wrong),
+        Err(Error::CalibrationMismatch { what: "scheme", .. })
+    ));
+    let mut wrong = parsed.clone();
+    wrong.layers.pop();
+    assert!(matches!(
+        other.apply_calibration(&wrong),
+        Err(Error::CalibrationMismatch { what: "shape", .. })
+    ));
+    let mut wrong = parsed.clone();
+    wrong.layers[1].codebooks = None;
+    assert_eq!(
+        other.apply_calibration(&wrong),
+        Err(Error::CalibrationIncomplete {
+            layer: 1,
+            scheme: name.into()
+        })
+    );
+    // Nothing was set: layer 0 still has neither thresholds nor codebooks.
+    assert_eq!(
+        other.append(0, 0, &k[..128], &v[..128]),
+        Err(Error::OutliersNotCalibrated { layer: 0 })
+    );
 }

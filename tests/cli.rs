@@ -268,13 +268,9 @@ fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
-/// `hipkv eval --save` then `hipkv info --model --eval`: per scheme, the KV bytes of the model,
-/// the sequences that fit (the library's count) and the KL the saved run measured; a file of
-/// another model's shape is refused. Needs the eval model (`scripts/fetch-model.sh`): skipped
-/// without it unless `HIPKV_REQUIRE_MODEL=1`.
-#[test]
-fn info_prints_what_fits_with_the_measured_kl() {
-    use hipkv::eval::{KvShape, fit, inspect};
+/// The eval model (`scripts/fetch-model.sh`); `None`, said on stderr, where it is missing,
+/// unless `HIPKV_REQUIRE_MODEL=1` makes that a failure.
+fn eval_model() -> Option<std::path::PathBuf> {
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(hipkv::eval::DEFAULT_MODEL);
     if !model.exists() {
         assert_ne!(
@@ -284,8 +280,19 @@ fn info_prints_what_fits_with_the_measured_kl() {
             model.display()
         );
         eprintln!("skipped: {} is missing", model.display());
-        return;
+        return None;
     }
+    Some(model)
+}
+
+/// `hipkv eval --save` then `hipkv info --model --eval`: per scheme, the KV bytes of the model,
+/// the sequences that fit (the library's count) and the KL the saved run measured; a file of
+/// another model's shape is refused. Needs the eval model (`scripts/fetch-model.sh`): skipped
+/// without it unless `HIPKV_REQUIRE_MODEL=1`.
+#[test]
+fn info_prints_what_fits_with_the_measured_kl() {
+    use hipkv::eval::{KvShape, fit, inspect};
+    let Some(model) = eval_model() else { return };
     let model_arg = model.to_str().unwrap();
     let saved = std::env::temp_dir().join(format!("hipkv-fit-{}.json", std::process::id()));
     let out = hipkv(&[
@@ -413,4 +420,64 @@ fn a_closed_pipe_ends_the_output_quietly() {
         !status.success() || stderr.is_empty(),
         "{status:?}: {stderr}"
     );
+}
+
+/// `hipkv calibrate` writes a calibration file that `hipkv eval --calibration` uses for its
+/// scheme; a damaged file is refused with its line. Needs the eval model, as above.
+#[test]
+fn calibrate_writes_a_file_that_eval_uses() {
+    let Some(model) = eval_model() else { return };
+    let model_arg = model.to_str().unwrap();
+    let file = std::env::temp_dir().join(format!("hipkv-cal-{}.txt", std::process::id()));
+    let file_arg = file.to_str().unwrap();
+    let scheme = "kivi2,outliers,nuq=v";
+    let out = hipkv(&[
+        "calibrate",
+        "--model",
+        model_arg,
+        "--tokens",
+        "32",
+        "--scheme",
+        scheme,
+        "--out",
+        file_arg,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    let calibration = hipkv::Calibration::parse(&text).unwrap();
+    assert_eq!(calibration.scheme.to_string(), scheme);
+    assert_eq!(calibration.layers.len(), 30);
+    let eval = |schemes: &str| {
+        hipkv(&[
+            "eval",
+            "--model",
+            model_arg,
+            "--tokens",
+            "48",
+            "--chunk",
+            "16",
+            "--schemes",
+            schemes,
+            "--calibration",
+            file_arg,
+            "--json",
+        ])
+    };
+    // The file's scheme uses it; another scheme calibrates on its first chunk as before.
+    let out = eval(&format!("{scheme};kivi2,nuq"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&file, text.replace("v_levels", "x_levels")).unwrap();
+    let out = eval(scheme);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("line 4: an unknown item"), "{err}");
+    std::fs::remove_file(&file).unwrap();
 }

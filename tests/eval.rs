@@ -119,7 +119,7 @@ fn schemes_rank_as_the_issue_requires() {
     let Some((model, tok)) = model() else { return };
     let ids = &tok.encode(eval::CORPUS).unwrap()[..384];
     let schemes = eval::parse_schemes("f16,q8,q4_tok,kivi4,q2_tok,kivi2").unwrap();
-    let report = eval::evaluate(model, ids, &schemes, 128, &mut |_| {}).unwrap();
+    let report = eval::evaluate(model, ids, &schemes, &[], 128, &mut |_| {}).unwrap();
     for s in &report.schemes {
         eprintln!(
             "{:<8} KL {:.3e} p99 {:.3e} top-1 {:.3} ΔNLL {:+.4}",

@@ -19,7 +19,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::{CacheConfig, KvCache, Rope, RopeLayout, RopeTable, Scheme};
+use crate::{CacheConfig, Calibration, KvCache, Rope, RopeLayout, RopeTable, Scheme};
 
 pub use fit::{Fit, KvShape, fit, parse_bytes};
 pub use model::{Attention, Model, ModelConfig, ModelSummary, inspect};
@@ -152,6 +152,32 @@ impl CacheAttention {
     pub fn cache(&self) -> &KvCache {
         &self.cache
     }
+
+    /// Uses `c` (a calibration file of this scheme) instead of calibrating each layer on its
+    /// first chunk.
+    pub fn apply_calibration(&mut self, c: &Calibration) -> Result<(), EvalError> {
+        self.cache.apply_calibration(c)?;
+        self.calibrated.iter_mut().for_each(|done| *done = true);
+        Ok(())
+    }
+}
+
+/// What `hipkv calibrate` writes: `scheme` calibrated on `tokens` (one chunk: every layer's
+/// keys and values of those tokens, as the eval calibrates on its first chunk).
+pub fn calibrate(model: &Model, tokens: &[u32], scheme: Scheme) -> Result<Calibration, EvalError> {
+    let cfg = *model.config();
+    if tokens.is_empty() {
+        return Err(EvalError::TextTooShort { have: 0, want: 1 });
+    }
+    if tokens.len() > cfg.context {
+        return Err(EvalError::BeyondContext {
+            tokens: tokens.len(),
+            context: cfg.context,
+        });
+    }
+    let mut attention = CacheAttention::new(&cfg, scheme, tokens.len())?;
+    model.forward(tokens, &mut attention)?;
+    Ok(attention.cache().calibration())
 }
 
 /// RoPE as llama.cpp applies it to a GGUF Llama: interleaved pairs, the file's base.
@@ -382,12 +408,14 @@ pub fn baseline_scheme() -> Scheme {
 }
 
 /// Runs the baseline and every scheme over `tokens`, in chunks of `chunk`, and measures each
-/// scheme against the baseline. `progress` is told the tokens done after every chunk of every
-/// run (the total is `tokens.len() × (schemes.len() + 1)`).
+/// scheme against the baseline. A scheme with a calibration in `calibrations` (of that scheme)
+/// uses it; the others calibrate each layer on its first chunk. `progress` is told the tokens
+/// done after every chunk of every run (the total is `tokens.len() × (schemes.len() + 1)`).
 pub fn evaluate(
     model: &Model,
     tokens: &[u32],
     schemes: &[Scheme],
+    calibrations: &[Calibration],
     chunk: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Report, EvalError> {
@@ -415,8 +443,14 @@ pub fn evaluate(
     let mut baseline = CacheAttention::new(&cfg, baseline_scheme(), n)?;
     let mut runs = schemes
         .iter()
-        .map(|s| CacheAttention::new(&cfg, *s, n))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|s| {
+            let mut run = CacheAttention::new(&cfg, *s, n)?;
+            if let Some(c) = calibrations.iter().find(|c| c.scheme == *s) {
+                run.apply_calibration(c)?;
+            }
+            Ok(run)
+        })
+        .collect::<Result<Vec<_>, EvalError>>()?;
     let mut base_nll = Vec::with_capacity(scored);
     let mut stats: Vec<Vec<TokenStats>> = vec![Vec::with_capacity(scored); schemes.len()];
     let mut done = 0;

@@ -60,6 +60,28 @@ enum Command {
     /// Run a real model (GGUF, CPU) with its KV cache in each scheme: KL against the f16 cache,
     /// top-1 agreement, ΔNLL, bytes per token, KL by context depth.
     Eval(EvalArgs),
+    /// Calibrate a scheme's outlier thresholds and codebooks on a model and a text, and write
+    /// them to a calibration file (`KvCache::apply_calibration`, `hipkv eval --calibration`).
+    Calibrate(CalibrateArgs),
+}
+
+#[derive(Args)]
+struct CalibrateArgs {
+    /// Llama-family GGUF model.
+    #[arg(long, default_value = hipkv::eval::DEFAULT_MODEL)]
+    model: PathBuf,
+    /// Text file to calibrate on [default: the bundled corpus].
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// Tokens of the text to calibrate on (from its start), run as one chunk.
+    #[arg(long, default_value_t = 512)]
+    tokens: usize,
+    /// The scheme (one; its `outliers` and `nuq` say what is calibrated).
+    #[arg(long)]
+    scheme: String,
+    /// The calibration file to write.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -70,6 +92,10 @@ struct EvalArgs {
     /// Text file to evaluate on [default: the bundled corpus, data/corpus/python-tutorial.txt].
     #[arg(long)]
     text: Option<PathBuf>,
+    /// Calibration files (`hipkv calibrate`) for the schemes they were made for, instead of
+    /// calibrating each layer on the first chunk of the text (repeatable).
+    #[arg(long)]
+    calibration: Vec<PathBuf>,
     /// Tokens of the text to run (from its start).
     #[arg(long, default_value_t = 4096)]
     tokens: usize,
@@ -221,6 +247,8 @@ enum CliError {
         path: PathBuf,
         source: serde_json::Error,
     },
+    #[error("{path}: {source}")]
+    Calibration { path: PathBuf, source: hipkv::Error },
     #[error("{path} measured a model with KV shape {found}, but the model's is {expected}")]
     EvalModel {
         path: PathBuf,
@@ -236,6 +264,7 @@ fn main() -> ExitCode {
         Command::Info(args) => info(&args),
         Command::Bench(args) => bench(&args),
         Command::Eval(args) => eval(&args),
+        Command::Calibrate(args) => calibrate(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -973,8 +1002,69 @@ fn print_table(report: &Report) {
     }
 }
 
-fn eval(args: &EvalArgs) -> Result<(), CliError> {
+/// The model, the first `tokens` tokens of `text` (the bundled corpus by default) and how many
+/// the whole text has.
+fn model_and_tokens(
+    model: &std::path::Path,
+    text: Option<&PathBuf>,
+    tokens: usize,
+) -> Result<(hipkv::eval::Model, Vec<u32>, usize), CliError> {
     use hipkv::eval::{self, EvalError, Model};
+
+    let text = match text {
+        Some(path) => std::fs::read_to_string(path).map_err(|source| EvalError::Io {
+            path: path.clone(),
+            source,
+        })?,
+        None => eval::CORPUS.to_string(),
+    };
+    let (model, tokenizer) = Model::load(model)?;
+    let mut all = tokenizer.encode(&text)?;
+    if all.len() < tokens {
+        return Err(EvalError::TextTooShort {
+            have: all.len(),
+            want: tokens,
+        }
+        .into());
+    }
+    let text_tokens = all.len();
+    all.truncate(tokens);
+    Ok((model, all, text_tokens))
+}
+
+/// A calibration file, parsed.
+fn read_calibration(path: &PathBuf) -> Result<hipkv::Calibration, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| hipkv::eval::EvalError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    hipkv::Calibration::parse(&text).map_err(|source| CliError::Calibration {
+        path: path.clone(),
+        source,
+    })
+}
+
+fn calibrate(args: &CalibrateArgs) -> Result<(), CliError> {
+    let scheme: hipkv::Scheme = args.scheme.parse()?;
+    let (model, tokens, _) = model_and_tokens(&args.model, args.text.as_ref(), args.tokens)?;
+    let calibration = hipkv::eval::calibrate(&model, &tokens, scheme)?;
+    std::fs::write(&args.out, calibration.to_text()).map_err(|source| {
+        hipkv::eval::EvalError::Write {
+            path: args.out.clone(),
+            source,
+        }
+    })?;
+    println!(
+        "{scheme}: {} layers calibrated on {} tokens, written to {}",
+        calibration.layers.len(),
+        tokens.len(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn eval(args: &EvalArgs) -> Result<(), CliError> {
+    use hipkv::eval::{self, EvalError};
 
     let default = if args.frontier {
         FRONTIER_SCHEMES
@@ -985,24 +1075,10 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
     if args.tokens < 2 {
         return Err(CliError::Usage("--tokens must be at least 2".into()));
     }
-    let text = match &args.text {
-        Some(path) => std::fs::read_to_string(path).map_err(|source| EvalError::Io {
-            path: path.clone(),
-            source,
-        })?,
-        None => eval::CORPUS.to_string(),
-    };
     let started = Instant::now();
-    let (model, tokenizer) = Model::load(&args.model)?;
-    let all = tokenizer.encode(&text)?;
-    if all.len() < args.tokens {
-        return Err(EvalError::TextTooShort {
-            have: all.len(),
-            want: args.tokens,
-        }
-        .into());
-    }
-    let tokens = &all[..args.tokens];
+    let (model, tokens, text_tokens) =
+        model_and_tokens(&args.model, args.text.as_ref(), args.tokens)?;
+    let tokens = &tokens[..];
     let cfg = *model.config();
     let load_time = started.elapsed();
     if !args.json {
@@ -1024,7 +1100,7 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
                     .display()
                     .to_string()),
             tokens.len(),
-            all.len(),
+            text_tokens,
             args.chunk,
             schemes.len()
         );
@@ -1043,9 +1119,19 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
         ),
     );
     let run_started = Instant::now();
-    let report = eval::evaluate(&model, tokens, &schemes, args.chunk, &mut |done| {
-        progress.set_position(done as u64)
-    })?;
+    let calibrations = args
+        .calibration
+        .iter()
+        .map(read_calibration)
+        .collect::<Result<Vec<_>, _>>()?;
+    let report = eval::evaluate(
+        &model,
+        tokens,
+        &schemes,
+        &calibrations,
+        args.chunk,
+        &mut |done| progress.set_position(done as u64),
+    )?;
     progress.finish_and_clear();
     let run_time = run_started.elapsed().as_secs_f64();
     let json = serde_json::to_string_pretty(&report)?;
