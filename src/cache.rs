@@ -314,6 +314,11 @@ impl KvCache {
                     scheme: scheme.to_string(),
                 });
             }
+            if let Some((k, v)) = &layer.outliers {
+                for t in std::iter::once(k).chain(v) {
+                    t.validate(cfg.kv_heads, cfg.head_dim)?;
+                }
+            }
         }
         for (l, layer) in c.layers.iter().enumerate() {
             if let Some((k, v)) = &layer.outliers {
@@ -327,9 +332,9 @@ impl KvCache {
     }
 
     /// Calibrates whatever layer `layer` of the scheme needs from sample tokens laid out as for
-    /// [`append`](Self::append): outlier thresholds ([`calibrate_outliers`](Self::calibrate_outliers))
-    /// then codebooks ([`calibrate_codebooks`](Self::calibrate_codebooks)); nothing for other
-    /// schemes.
+    /// [`append`](Self::append): outlier thresholds
+    /// ([`calibrate_outliers`](Self::calibrate_outliers)) then codebooks
+    /// ([`calibrate_codebooks`](Self::calibrate_codebooks)); nothing for other schemes.
     pub fn calibrate(
         &mut self,
         layer: usize,
@@ -424,6 +429,7 @@ impl KvCache {
         v: &[f32],
         first_position: usize,
     ) -> Result<()> {
+        self.check_layer_seq(layer, 0)?;
         let scheme = self.config.scheme;
         if scheme.nuq == StreamSet::None {
             return Err(Error::Unsupported(format!(

@@ -1302,6 +1302,10 @@ fn codebook_errors_are_typed_and_write_nothing() {
         cache.set_codebooks(1, None, two.clone()),
         Err(Error::OutOfRange { .. })
     ));
+    assert!(matches!(
+        cache.calibrate_codebooks(1, &k, &v, 0),
+        Err(Error::OutOfRange { .. })
+    ));
     let mut bad = v.clone();
     bad[3] = f32::NAN;
     assert!(matches!(
@@ -1374,6 +1378,12 @@ fn calibrations_carry_over_through_their_text() {
             scheme: name.into()
         })
     );
+    let mut wrong = parsed.clone();
+    wrong.layers[1].outliers.as_mut().unwrap().0.lo.pop();
+    assert!(matches!(
+        other.apply_calibration(&wrong),
+        Err(Error::Shape { .. })
+    ));
     // Nothing was set: layer 0 still has neither thresholds nor codebooks.
     assert_eq!(
         other.append(0, 0, &k[..128], &v[..128]),

@@ -142,8 +142,9 @@ struct LayerCodebooks {
 }
 
 /// A paged KV cache on one backend: the layout, the state pool of every sequence slot and layer,
-/// the sticky error word, and the per-layer outlier thresholds and codebooks. The blocks themselves are the
-/// server's: each call takes the address of one layer's `layout.cache_bytes()`.
+/// the sticky error word, and the per-layer outlier thresholds and codebooks. The blocks
+/// themselves are the server's: each call takes the address of one layer's
+/// `layout.cache_bytes()`.
 pub struct PagedCache {
     layout: Layout,
     layers: usize,
