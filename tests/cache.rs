@@ -1092,31 +1092,39 @@ fn formats_doc_numbers_match_the_code() {
     );
 }
 
+/// The attention error of `scheme` (2 KV heads, GQA 4, head_dim 128) against an f16 cache of
+/// the same `n` random tokens (appended in chunks of `chunk`, from `seed`), for `q_tokens`
+/// query tokens; it also checks that attention equals the naive attention over the cache's own
+/// rows (rotated schemes rotate back on reads).
+fn error_against_f16(scheme: &str, n: usize, chunk: usize, q_tokens: usize, seed: u64) -> f32 {
+    let d = 128;
+    let cfg = config(scheme, 2, 4, d, n);
+    let mut cache = KvCache::new(cfg).unwrap();
+    let mut rng = Rng::new(seed);
+    fill(&mut cache, 0, n, chunk, &mut rng);
+    let q = rng.normals(q_tokens * cfg.q_heads * d);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = vec![0f32; q.len()];
+    cache.attend(0, 0, &q, scale, &mut out).unwrap();
+    let want = naive_attend(&cache, 0, &q, scale);
+    assert!(
+        rel_err(&out, &want) < 1e-5,
+        "{scheme}: against its own rows"
+    );
+    let exact = {
+        let mut f16 = KvCache::new(config("f16", 2, 4, d, n)).unwrap();
+        fill(&mut f16, 0, n, chunk, &mut Rng::new(seed));
+        naive_attend(&f16, 0, &q, scale)
+    };
+    rel_err(&out, &exact)
+}
+
 /// `rot` stores rows rotated and rotates queries and outputs: on f16 storage attention is the
 /// unrotated cache's up to f16 rounding of rotated rows, and with outlier channels in the keys it
 /// lowers a per-token format's error, which is what it is for.
 #[test]
 fn rotation_is_transparent_and_helps_per_token_keys() {
-    let (d, n) = (128, 96);
-    let err = |name: &str| {
-        let cfg = config(name, 2, 4, d, n);
-        let mut cache = KvCache::new(cfg).unwrap();
-        let mut rng = Rng::new(21);
-        fill(&mut cache, 0, n, 40, &mut rng);
-        let q = rng.normals(3 * cfg.q_heads * d);
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut out = vec![0f32; q.len()];
-        cache.attend(0, 0, &q, scale, &mut out).unwrap();
-        // Reads rotate back: the reference sees the rows as the cache holds them.
-        let want = naive_attend(&cache, 0, &q, scale);
-        assert!(rel_err(&out, &want) < 1e-5, "{name}: against its own rows");
-        let exact = {
-            let mut f16 = KvCache::new(config("f16", 2, 4, d, n)).unwrap();
-            fill(&mut f16, 0, n, 40, &mut Rng::new(21));
-            naive_attend(&f16, 0, &q, scale)
-        };
-        rel_err(&out, &exact)
-    };
+    let err = |name: &str| error_against_f16(name, 96, 40, 3, 21);
     assert!(err("f16,rot") < 2e-3, "f16,rot: {}", err("f16,rot"));
     // Gaussian values gain nothing from rotation: the keys (two outlier channels) are the test.
     let (plain, rotated) = (err("k=q4_tok,v=f16"), err("k=q4_tok,v=f16,rot=k"));
@@ -1251,23 +1259,7 @@ fn uniform_codebooks_are_the_plain_formats() {
 /// SmolLM2's values, 28% of the KL (docs/accuracy.md).
 #[test]
 fn calibrated_codebooks_help_two_bit_values() {
-    let (d, n) = (128, 256);
-    let err = |name: &str| {
-        let cfg = config(name, 2, 4, d, n);
-        let mut cache = KvCache::new(cfg).unwrap();
-        let mut rng = Rng::new(8);
-        fill(&mut cache, 0, n, 64, &mut rng);
-        let q = rng.normals(4 * cfg.q_heads * d);
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut out = vec![0f32; q.len()];
-        cache.attend(0, 0, &q, scale, &mut out).unwrap();
-        let exact = {
-            let mut f16 = KvCache::new(config("f16", 2, 4, d, n)).unwrap();
-            fill(&mut f16, 0, n, 64, &mut Rng::new(8));
-            naive_attend(&f16, 0, &q, scale)
-        };
-        rel_err(&out, &exact)
-    };
+    let err = |name: &str| error_against_f16(name, 256, 64, 4, 8);
     let plain = err("k=f16,v=q2_tok@64,rot=v");
     let nuq = err("k=f16,v=q2_tok@64,rot=v,nuq=v");
     assert!(
