@@ -25,6 +25,47 @@
 
 namespace hipkv {
 
+// The codebooks of the launch's nuq streams (keys, values), copied into LDS once per
+// workgroup (`load_levels`): lanes index them with their own codes, which LDS serves in one
+// access, and their address is a constant, so holding them costs no register.
+__shared__ float stream_levels[2][HIPKV_MAX_LEVELS];
+
+// Copies the codebooks of a launch (if any) into `stream_levels`; pre-RoPE low-bit keys
+// without one get the uniform levels, since their decode always reads the table
+// (`score_token_pre_rope`). Every thread of the workgroup must call it: it ends with a barrier
+// when it writes anything.
+template <int KF, int VF>
+HIPKV_DEV void load_levels(const hipkv_attn_params &p) {
+    const bool keys = format_has_levels(KF) && (p.k_levels != nullptr || p.g.pre_rope);
+    const bool values = format_has_levels(VF) && p.v_levels != nullptr;
+    if (!keys && !values) return;
+    const uint32_t i = threadIdx.x % HIPKV_MAX_LEVELS, stream = threadIdx.x / HIPKV_MAX_LEVELS;
+    if (keys && stream == 0 && i < (1u << format_bits(KF)))
+        stream_levels[0][i] = p.k_levels != nullptr ? p.k_levels[i] : (float)i;
+    if (values && stream == 1 && i < (1u << format_bits(VF))) stream_levels[1][i] = p.v_levels[i];
+    barrier();
+}
+
+// Which streams of a launch have codebooks: bit 0 keys, bit 1 values. Held in a vector
+// register (`WaveRows::levels`) and made uniform where it is tested: a scalar register held
+// through the block loop is what the kernels have none of to spare.
+HIPKV_DEV uint32_t levels_flags(const hipkv_attn_params &p) {
+    return vector_u32((p.k_levels != nullptr ? 1u : 0u) | (p.v_levels != nullptr ? 2u : 0u));
+}
+
+// The codebook of `stream` (0: keys, 1: values) in LDS, or null when it has none.
+HIPKV_DEV const float *stream_codebook(uint32_t flags, uint32_t stream) {
+    return (uniform_u32(flags) >> stream) & 1u ? stream_levels[stream] : nullptr;
+}
+
+// The codes `x` of a stream stored in format F replaced by their levels when the stream has a
+// codebook.
+template <int F, int N>
+HIPKV_DEV void decode_levels(uint32_t flags, uint32_t stream, float x[N]) {
+    if constexpr (format_has_levels(F))
+        if ((uniform_u32(flags) >> stream) & 1u) codes_to_levels<N>(stream_levels[stream], x);
+}
+
 // Query rows one wave computes at head_dim D.
 template <int D>
 constexpr int kRows = HIPKV_ROWS(D);
@@ -80,6 +121,7 @@ struct WaveRows {
     const float *q;
     const float *qsum;         // group g, row r: qsum[g · qsum_stride + r]
     uint32_t qsum_stride;
+    uint32_t levels;           // the streams with codebooks (`levels_flags`)
     size_t out;                // row r's partials: partial_acc[(out + r)·D], partial_max[out + r]
 };
 
@@ -113,6 +155,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 for (int j = 0; j < 4; ++j) {
                     float x[8];
                     chunk_codes8<F>(b, j, x);
+                    decode_levels<F, 8>(w.levels, 0, x);
                     for (int r = 0; r < kRows<D>; ++r)
                         if ((uint32_t)r < rows)
                             for (int i = 0; i < 8; ++i)
@@ -153,6 +196,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 const uint32_t c = c0 + 8 * j;
                 float x[8];
                 chunk_codes8<F>(b, j, x);
+                decode_levels<F, 8>(w.levels, 0, x);
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
                         for (int i = 0; i < 8; ++i) s[r] += qk[r * D + c + i] * x[i];
@@ -174,7 +218,8 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
         for (uint32_t i = 0; i < n; ++i) {
             const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
-            const float delta = load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group);
+            const float delta =
+                load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.levels, 0));
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += q[r * D + c] * delta;
         }
@@ -203,6 +248,9 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
     for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
     auto dequant8 = [&](uint32_t c, float x[8]) {
         codes8<F>(row, c, x);
+        // Through the table whether or not it is a codebook (`load_levels`): a branch here,
+        // among sixteen elements' parameters, costs the d256 kernels registers they lack.
+        if constexpr (format_has_levels(F)) codes_to_levels<8>(stream_levels[0], x);
         if constexpr (F == HIPKV_F16) return;
         if constexpr (format_is_chan(F)) {
             for (int i = 0; i < 8; ++i) {
@@ -247,7 +295,8 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
         for (uint32_t i = 0; i < n; ++i) {
             const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
-            const float delta = load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group);
+            const float delta =
+                load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.levels, 0));
             // The pair holding c, and whether c is its first element.
             const bool inter = p.g.rope_pairs_interleaved != 0;
             const uint32_t pair = inter ? c / 2 : c % pairs;
@@ -261,11 +310,12 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
     }
 }
 
-// Accumulates the values of the run's `n` tokens, weighted by `w[r][t]` (in LDS).
+// Accumulates the values of the run's `n` tokens, weighted by `w[r][t]` (in LDS); `levels` as
+// `WaveRows::levels`.
 template <int F, int D>
 HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v, uint32_t t0,
                                  uint32_t n, const float (*w)[HIPKV_WAVE], uint32_t rows,
-                                 Acc<D> &acc) {
+                                 uint32_t levels, Acc<D> &acc) {
     constexpr int kPer = Acc<D>::kPerLane;
     const uint32_t c0 = lane_id() * kPer;
     HIPKV_ROLLED
@@ -277,6 +327,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
             for (int i = 0; i < kPer; ++i) x[i] = code1<F>(row, c0 + i);
         else
             lane_codes<F, kPer>(row, c0, x);
+        decode_levels<F, kPer>(levels, 1, x);
         float scale, min;
         element_params<F>(row, v.params, t, c0, D, v.group, &scale, &min);
         if constexpr (format_is_chan(F)) {
@@ -304,7 +355,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
                 const uint32_t c = load_u16(slot);
                 if (c < c0 || c >= c0 + kPer) continue;
                 const float delta =
-                    load_f16(slot + 2) - dequant1<F>(row, v.params, t, c, D, v.group);
+                    load_f16(slot + 2) - dequant1<F>(row, v.params, t, c, D, v.group, stream_codebook(levels, 1));
                 // A constant index per element keeps the accumulators in registers.
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
@@ -363,9 +414,9 @@ HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const
     }
     wave_sync();  // every weight is in LDS
     if (v_f16)
-        accumulate_values<HIPKV_F16, D>(p, v, t0, n, weights, w.n, acc);
+        accumulate_values<HIPKV_F16, D>(p, v, t0, n, weights, w.n, w.levels, acc);
     else
-        accumulate_values<VF, D>(p, v, t0, n, weights, w.n, acc);
+        accumulate_values<VF, D>(p, v, t0, n, weights, w.n, w.levels, acc);
 }
 
 // Rows [t_begin, t_end) of a block whose row 0 is at position pos0, in runs of 32.
@@ -501,6 +552,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
     const uint32_t seq = blockIdx.x / p.tiles_per_seq, tile = blockIdx.x % p.tiles_per_seq;
     const uint32_t head = blockIdx.y, split = blockIdx.z;
     const uint32_t wave = wave_id(), waves = blockDim.x / HIPKV_WAVE;
+    load_levels<KF, VF>(p);
     if (seq >= p.num_seqs) return;
     Sequence sq;
     if (!check_sequence(p, seq, tile == 0 && head == 0 && split == 0 && wave == 0, &sq)) return;
@@ -515,6 +567,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
     const uint32_t t0 = row0 / gqa;
     w.first_limit = sq.len - sq.q_len + t0 + 1;
     w.steps = 0;
+    w.levels = levels_flags(p);
     for (int r = 0; r < kRows<D>; ++r) w.steps |= ((row0 + (uint32_t)r) / gqa - t0) << (3 * r);
     const uint32_t max_limit = w.first_limit + (row0 + w.n - 1) / gqa - t0;
     // Rows of one KV head are contiguous in the prepared queries and in the partials.

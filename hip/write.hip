@@ -70,12 +70,12 @@ HIPKV_DEV void asym_params(float lo, float hi, float *scale, float *min) {
     *min = round_f16(lo);
 }
 
-// The code of `x` in an asymmetric group: round half away from zero, clamped.
-template <int F>
-HIPKV_DEV uint32_t asym_code(float x, float scale, float min) {
-    constexpr float max_code = (float)((1 << format_bits(F)) - 1);
+// The code of `x` in an asymmetric group: the nearest level of the stream's codebook, which
+// for uniform levels is round half away from zero, clamped (`Midpoints`).
+template <int B>
+HIPKV_DEV uint32_t asym_code(float x, float scale, float min, const Midpoints<B> &levels) {
     if (scale == 0.0f) return 0;
-    return (uint32_t)fminf(fmaxf(roundf((x - min) / scale), 0.0f), max_code);
+    return levels.code((x - min) / scale);
 }
 
 // The code of `x` in a symmetric int8 group.
@@ -352,8 +352,9 @@ HIPKV_DEV void quantize_row(const hipkv_write_params &p, uint8_t *block, uint32_
         hi = segment_max(hi, l.group / N);
         float scale, min;
         asym_params<F>(lo, hi, &scale, &min);
+        const Midpoints<format_bits(F)> levels(p.levels);
         uint32_t codes[N];
-        for (int i = 0; i < N; ++i) codes[i] = asym_code<F>(x[i], scale, min);
+        for (int i = 0; i < N; ++i) codes[i] = asym_code(x[i], scale, min, levels);
         if (!active) return;
         store_codes<F, N>(row + c0 * format_bits(F) / 8, codes);
         if ((c0 & (l.group - 1)) == 0) {
@@ -400,6 +401,7 @@ HIPKV_DEV void quantize_block(const hipkv_write_params &p, const Target &target,
         store_u16(block + l.params + 4 * (c0 + i), float_to_half(scale[i]));
         store_u16(block + l.params + 4 * (c0 + i) + 2, float_to_half(min[i]));
     }
+    const Midpoints<format_bits(F)> levels(p.levels);
     HIPKV_ROLLED
     for (uint32_t t = skip; t < p.g.block_tokens; ++t) {
         float x[N];
@@ -411,7 +413,7 @@ HIPKV_DEV void quantize_block(const hipkv_write_params &p, const Target &target,
         }
         if (!active) continue;
         uint32_t codes[N];
-        for (int i = 0; i < N; ++i) codes[i] = asym_code<F>(x[i], scale[i], min[i]);
+        for (int i = 0; i < N; ++i) codes[i] = asym_code(x[i], scale[i], min[i], levels);
         store_codes<F, N>(block + l.rows + (size_t)t * l.row_bytes + c0 * format_bits(F) / 8,
                           codes);
     }

@@ -1,13 +1,14 @@
 //! Differential tests of the write kernels (`hip/write.hip`), run by the SIMT emulator: a
 //! cache on `Backend::Emu` must store exactly the bytes the CPU reference stores, for every
 //! format, head_dim, channel group and page size, with sinks, outliers (overflowing their slots
-//! too), RoPE before and after quantization, and appends that start, fill and cross pages.
+//! too), RoPE before and after quantization, codebooks, and appends that start, fill and cross
+//! pages.
 
 mod common;
 
 use common::{config, with_rope};
 use hipkv::synth::Rng;
-use hipkv::{Backend, CacheConfig, KvCache, RopeLayout};
+use hipkv::{Backend, CacheConfig, KvCache, RopeLayout, StreamSet};
 
 /// Every storage format, by its scheme spelling.
 const FORMATS: [&str; 7] = [
@@ -60,6 +61,15 @@ fn check(cfg: CacheConfig, outlier_sample_scale: Option<f32>, seed: u64) {
         for cache in [&mut cpu, &mut emu] {
             cache
                 .calibrate_outliers(0, &shrink(k), &shrink(v), 0)
+                .unwrap();
+        }
+    }
+    if cfg.scheme.nuq != StreamSet::None {
+        // Codebooks fitted to the first sequence's first 64 tokens, as a server would.
+        let (k, v) = &data[0];
+        for cache in [&mut cpu, &mut emu] {
+            cache
+                .calibrate_codebooks(0, &k[..64 * width], &v[..64 * width], 0)
                 .unwrap();
         }
     }
@@ -188,4 +198,26 @@ fn rotated_rows_are_stored_bit_for_bit() {
     ] {
         check(config(scheme, 3, 1, d, 0), None, 60);
     }
+}
+
+#[test]
+fn codebooks_select_codes_as_the_reference() {
+    for (scheme, d, sample_scale) in [
+        ("q4_tok,nuq", 64, None),
+        ("k=q2_tok@64,v=q2_tok@head,nuq", 128, None),
+        ("kivi2,nuq,g=64,sinks=3", 256, None),
+        ("kivi4,nuq=k", 128, None),
+        ("k=q8,v=q2_chan,nuq=v", 64, None),
+        ("kivi2,nuq,outliers=kv,outlier_slots=1", 128, Some(0.5)),
+        ("k=f16,v=q2_tok@64,rv=32,rot=v,nuq=v", 128, None),
+    ] {
+        check(config(scheme, 2, 1, d, 0), sample_scale, 70);
+    }
+    // The 56-byte frontier point: pre-RoPE per-channel keys, rotated 2-bit values, codebooks.
+    let frontier = "k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq";
+    check(
+        with_rope(config(frontier, 2, 1, 64, 0), RopeLayout::Halves),
+        None,
+        71,
+    );
 }

@@ -2,8 +2,13 @@
 //! the C++ functions, compiled for the host by `build.rs`, are called here on rows the Rust
 //! quantizers produced, for every format, head_dim and channel group.
 
+mod common;
+
+use common::random_codebook;
 use half::f16;
-use hipkv::quant::{self, dequantize_chan_row, dequantize_row, quantize_chan, quantize_row};
+use hipkv::quant::{
+    self, Codebook, MAX_LEVELS, dequantize_chan_row, dequantize_row, quantize_chan, quantize_row,
+};
 use hipkv::synth::Rng;
 use hipkv::{ChannelGroup, Format, LowBits};
 
@@ -17,8 +22,11 @@ unsafe extern "C" {
         t: u32,
         head_dim: u32,
         group: u32,
+        levels: *const f32,
         out: *mut f32,
     );
+    fn hipkv_ffi_level_code(bits: u32, levels: *const f32, u: f32) -> u32;
+    fn hipkv_ffi_max_levels() -> u32;
     fn hipkv_ffi_codes8(format: i32, row: *const u8, c: u32, out: *mut f32);
     fn hipkv_ffi_chunk_codes8(format: i32, chunk: *const u8, j: i32, out: *mut f32);
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
@@ -87,16 +95,25 @@ fn format_numbers_agree_with_the_header() {
     }
 }
 
-/// The C++ dequantization of token `t`: `row` its packed row, `params` the page's section.
-fn cpp_dequant(f: Format, row: &[u8], params: &[u8], t: usize, d: usize) -> Vec<f32> {
+/// The C++ dequantization of token `t`: `row` its packed row, `params` the page's section,
+/// `book` the stream's codebook.
+fn cpp_dequant(
+    f: Format,
+    row: &[u8],
+    params: &[u8],
+    t: usize,
+    d: usize,
+    book: Option<&Codebook>,
+) -> Vec<f32> {
     let group = match f {
         Format::Tok { group, .. } => group.size(d),
         _ => d,
     };
     assert!(row.len() >= f.row_bytes(d) && params.len() >= f.params_bytes(t + 1, d));
     let mut out = vec![0f32; d];
-    // SAFETY: `row` holds a full row and `params` the parameters of tokens `0..=t` (asserted);
-    // the function writes `d` floats into `out`.
+    let levels = book.map_or(std::ptr::null(), |b| b.levels().as_ptr());
+    // SAFETY: `row` holds a full row and `params` the parameters of tokens `0..=t` (asserted),
+    // `levels` is null or the format's 2^bits levels; the function writes `d` floats into `out`.
     unsafe {
         hipkv_ffi_dequant_row(
             f.abi_code() as i32,
@@ -105,10 +122,55 @@ fn cpp_dequant(f: Format, row: &[u8], params: &[u8], t: usize, d: usize) -> Vec<
             t as u32,
             d as u32,
             group as u32,
+            levels,
             out.as_mut_ptr(),
         )
     };
     out
+}
+
+#[test]
+fn codebook_capacity_agrees_with_the_header() {
+    // SAFETY: a constant.
+    assert_eq!(unsafe { hipkv_ffi_max_levels() } as usize, MAX_LEVELS);
+}
+
+/// The write kernels' code selection (`Midpoints`) is `Codebook::code`, and without a codebook
+/// the uniform one's, at every midpoint, just beside it, outside the range and in between.
+#[test]
+fn code_selection_agrees_with_the_reference() {
+    let mut rng = Rng::new(7);
+    for bits in [LowBits::Four, LowBits::Two] {
+        let books = [
+            (Codebook::uniform(bits), false),
+            (Codebook::uniform(bits), true),
+            (random_codebook(bits, &mut rng), true),
+            (random_codebook(bits, &mut rng), true),
+        ];
+        for (book, pass_levels) in books {
+            let l = book.levels();
+            let mut us = vec![-1.0f32, -0.5, -0.0, 0.0, 1e30, -1e30, l[l.len() - 1] + 0.5];
+            for w in l.windows(2) {
+                let mid = (w[0] + w[1]) * 0.5;
+                us.extend([mid, mid.next_down(), mid.next_up(), w[0], w[1]]);
+            }
+            us.extend((0..200).map(|_| (rng.uniform() * 1.2 - 0.1) * l.len() as f32));
+            let levels = if pass_levels {
+                l.as_ptr()
+            } else {
+                std::ptr::null()
+            };
+            for u in us {
+                // SAFETY: `levels` is null or 2^bits floats.
+                let got = unsafe { hipkv_ffi_level_code(bits.bits() as u32, levels, u) };
+                assert_eq!(got, u32::from(book.code(u)), "{bits:?} {l:?} u={u}");
+                if !pass_levels {
+                    let max = f32::from(bits.max_code());
+                    assert_eq!(got as f32, u.round().clamp(0.0, max), "u={u}");
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -171,7 +233,17 @@ fn per_token_formats_dequantize_as_the_reference() {
                 formats.push(tok(bits, g));
             }
         }
-        for f in formats {
+        let cases: Vec<(Format, Option<Codebook>)> = formats
+            .into_iter()
+            .flat_map(|f| match f {
+                Format::Tok { bits, .. } => {
+                    vec![(f, None), (f, Some(random_codebook(bits, &mut rng)))]
+                }
+                _ => vec![(f, None)],
+            })
+            .collect();
+        for (f, book) in cases {
+            let book = book.as_ref();
             // Three tokens in one page, so token indexing into the parameters is exercised.
             let tokens = 3;
             let (rb, pb) = (f.row_bytes(d), f.params_bytes(1, d));
@@ -188,15 +260,15 @@ fn per_token_formats_dequantize_as_the_reference() {
                     &x[t * d..(t + 1) * d],
                     &mut rows[t * rb..(t + 1) * rb],
                     &mut params[t * pb..(t + 1) * pb],
-                    None,
+                    book,
                 );
             }
             for t in 0..tokens {
                 let row = &rows[t * rb..(t + 1) * rb];
                 let mut want = vec![0f32; d];
-                dequantize_row(f, row, &params[t * pb..(t + 1) * pb], &mut want, None);
-                let got = cpp_dequant(f, row, &params, t, d);
-                assert_eq!(got, want, "{f} d={d} token {t}");
+                dequantize_row(f, row, &params[t * pb..(t + 1) * pb], &mut want, book);
+                let got = cpp_dequant(f, row, &params, t, d, book);
+                assert_eq!(got, want, "{f} d={d} token {t} codebook {book:?}");
             }
         }
     }
@@ -207,17 +279,21 @@ fn per_channel_formats_dequantize_as_the_reference() {
     let mut rng = Rng::new(4);
     for d in [64, 128, 256] {
         for bits in [LowBits::Four, LowBits::Two] {
-            let f = Format::Chan { bits };
-            let tokens = 32;
-            let x = rng.normals(tokens * d);
-            let mut rows = vec![0u8; tokens * f.row_bytes(d)];
-            let mut params = vec![0u8; f.params_bytes(tokens, d)];
-            quantize_chan(bits, &x, d, &mut rows, &mut params, None);
-            for t in [0, 5, 31] {
-                let row = &rows[t * f.row_bytes(d)..(t + 1) * f.row_bytes(d)];
-                let mut want = vec![0f32; d];
-                dequantize_chan_row(bits, row, &params, &mut want, None);
-                assert_eq!(cpp_dequant(f, row, &params, t, d), want, "{f} d={d} t={t}");
+            for book in [None, Some(random_codebook(bits, &mut rng))] {
+                let book = book.as_ref();
+                let f = Format::Chan { bits };
+                let tokens = 32;
+                let x = rng.normals(tokens * d);
+                let mut rows = vec![0u8; tokens * f.row_bytes(d)];
+                let mut params = vec![0u8; f.params_bytes(tokens, d)];
+                quantize_chan(bits, &x, d, &mut rows, &mut params, book);
+                for t in [0, 5, 31] {
+                    let row = &rows[t * f.row_bytes(d)..(t + 1) * f.row_bytes(d)];
+                    let mut want = vec![0f32; d];
+                    dequantize_chan_row(bits, row, &params, &mut want, book);
+                    let got = cpp_dequant(f, row, &params, t, d, book);
+                    assert_eq!(got, want, "{f} d={d} t={t} codebook {book:?}");
+                }
             }
         }
     }

@@ -1,8 +1,8 @@
 //! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`) on
 //! a cache the write kernels filled, against the naive f64 reference over the same cache bytes:
 //! every key × value format pair, head_dim 64/128/256, GQA 1–16, empty and partial pages, sinks,
-//! outliers, RoPE before and after quantization, long contexts with many splits and batches of
-//! sequences.
+//! outliers, RoPE before and after quantization, codebooks, long contexts with many splits and
+//! batches of sequences.
 
 mod common;
 
@@ -112,6 +112,42 @@ fn rope_in_the_cache_and_pre_rope_keys() {
             "q2_tok,rot",
         ] {
             check(with_rope(config(scheme, 1, 3, 64, 200), layout), &[150], 5);
+        }
+    }
+}
+
+/// Codebooks (`fill` calibrates them) on every pair of low-bit formats, on one stream beside
+/// another format, and with the options that share their decode: outlier corrections, pre-RoPE
+/// keys, rotated values, sinks, value windows.
+#[test]
+fn codebooks_decode_in_every_loop() {
+    const LOW: [&str; 4] = ["q4_tok", "q2_tok", "q4_chan", "q2_chan"];
+    for (i, k) in LOW.iter().enumerate() {
+        for (j, v) in LOW.iter().enumerate() {
+            let scheme = format!("k={k},v={v},nuq");
+            check(
+                config(&scheme, 2, 2, 64, 96),
+                &[5, 32, 48],
+                (100 + i * 7 + j) as u64,
+            );
+        }
+    }
+    for (scheme, d) in [
+        ("k=q2_chan,v=q8,nuq=k", 128),
+        ("k=f16,v=q4_tok@64,nuq=v", 256),
+        ("kivi2,nuq,outliers=kv,sinks=2", 128),
+        ("k=q4_tok,v=q2_chan,nuq,outliers=kv,outlier_slots=1", 64),
+        ("kivi2,nuq,rv=32,rot=v", 256),
+    ] {
+        check(config(scheme, 2, 4, d, 200), &[3, 50, 130], 12);
+    }
+    for layout in [RopeLayout::Interleaved, RopeLayout::Halves] {
+        for scheme in [
+            "kivi2,pre_rope,nuq",
+            "k=q4_tok,v=q2_tok,pre_rope,outliers,nuq=k",
+            "k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq",
+        ] {
+            check(with_rope(config(scheme, 1, 3, 64, 200), layout), &[150], 6);
         }
     }
 }

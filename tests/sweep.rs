@@ -1,6 +1,6 @@
 //! A seeded sweep of random configurations through the paged API on the emulated device (the
 //! HIP kernels' own code): any key format with any value format, sinks, 32- or 64-token blocks,
-//! value windows, outlier stores, pre-RoPE keys, rotation, head_dim 64/128/256, GQA 1 to 16,
+//! value windows, outlier stores, pre-RoPE keys, rotation, codebooks, head_dim 64/128/256, GQA 1 to 16,
 //! f16/bf16/f32, batches of
 //! decodes and prefill chunks of random lengths over sequences of random lengths, forks. Each
 //! output is compared with a naive attention over the sequence's stored tokens.
@@ -11,12 +11,13 @@
 
 mod common;
 
+use common::random_codebook;
 use common::rig::{Rig, Server, step};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{DType, Layout, LayoutSpec};
 use hipkv::quant::OutlierThresholds;
 use hipkv::synth::Rng;
-use hipkv::{Backend, Rope, RopeLayout, Scheme};
+use hipkv::{Backend, Rope, RopeLayout, Scheme, Stream};
 
 const FORMATS: [&str; 7] = [
     "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
@@ -116,9 +117,20 @@ fn random_config(rng: &mut Rng) -> Config {
     }
     steps.retain(|s| !s.is_empty());
     let fork = (seqs > 1 && rng.below(3) == 0).then_some((0, seqs));
+    let kv_heads = 1 + rng.below(2);
+    // Codebooks on the low-bit streams, drawn last: a configuration without them is the one
+    // its seed gave before codebooks were swept.
+    let low = |f: &str| f.starts_with("q4") || f.starts_with("q2");
+    if (low(&k) || low(&v)) && rng.below(4) == 0 {
+        scheme += match (low(&k), low(&v)) {
+            (true, true) => [",nuq", ",nuq=k", ",nuq=v"][rng.below(3)],
+            (true, false) => ",nuq=k",
+            _ => ",nuq=v",
+        };
+    }
     Config {
         scheme: scheme.parse().unwrap(),
-        kv_heads: 1 + rng.below(2),
+        kv_heads,
         gqa,
         head_dim,
         dtype,
@@ -160,6 +172,17 @@ fn run(seed: u64, c: &Config) {
         rig.paged
             .set_outlier_thresholds(0, &kt, vt.as_ref())
             .unwrap();
+    }
+    // Random codebooks: the kernels must decode any valid one as the reference does.
+    let book = |stream, rng: &mut Rng| {
+        c.scheme
+            .low_bits(stream)
+            .filter(|_| c.scheme.nuq.applies(stream))
+            .map(|bits| random_codebook(bits, rng))
+    };
+    if c.scheme.nuq.applies(Stream::K) || c.scheme.nuq.applies(Stream::V) {
+        let (k, v) = (book(Stream::K, &mut rng), book(Stream::V, &mut rng));
+        rig.paged.set_codebooks(0, k.as_ref(), v.as_ref()).unwrap();
     }
     let mut server = Server::new(&layout, &mut rng);
     let seqs = c.steps[0].len();

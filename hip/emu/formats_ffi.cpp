@@ -6,18 +6,20 @@ extern "C" float hipkv_ffi_half_to_float(uint16_t h) { return hipkv::half_to_flo
 extern "C" uint16_t hipkv_ffi_float_to_half(float f) { return hipkv::float_to_half(f); }
 
 // Dequantizes channels [0, head_dim) of token `t` of a stream stored in `format`: `row` is the
-// token's packed row, `params` the stream's parameter section (page-relative, as in a page).
+// token's packed row, `params` the stream's parameter section (page-relative, as in a page),
+// `levels` its codebook or null.
 extern "C" void hipkv_ffi_dequant_row(int format, const uint8_t *row, const uint8_t *params,
-                                      uint32_t t, uint32_t head_dim, uint32_t group, float *out) {
+                                      uint32_t t, uint32_t head_dim, uint32_t group,
+                                      const float *levels, float *out) {
     for (uint32_t c = 0; c < head_dim; ++c) {
         switch (format) {
-            case HIPKV_F16: out[c] = hipkv::dequant1<HIPKV_F16>(row, params, t, c, head_dim, group); break;
-            case HIPKV_Q8: out[c] = hipkv::dequant1<HIPKV_Q8>(row, params, t, c, head_dim, group); break;
-            case HIPKV_Q8_0: out[c] = hipkv::dequant1<HIPKV_Q8_0>(row, params, t, c, head_dim, group); break;
-            case HIPKV_Q4_TOK: out[c] = hipkv::dequant1<HIPKV_Q4_TOK>(row, params, t, c, head_dim, group); break;
-            case HIPKV_Q2_TOK: out[c] = hipkv::dequant1<HIPKV_Q2_TOK>(row, params, t, c, head_dim, group); break;
-            case HIPKV_Q4_CHAN: out[c] = hipkv::dequant1<HIPKV_Q4_CHAN>(row, params, t, c, head_dim, group); break;
-            case HIPKV_Q2_CHAN: out[c] = hipkv::dequant1<HIPKV_Q2_CHAN>(row, params, t, c, head_dim, group); break;
+            case HIPKV_F16: out[c] = hipkv::dequant1<HIPKV_F16>(row, params, t, c, head_dim, group, levels); break;
+            case HIPKV_Q8: out[c] = hipkv::dequant1<HIPKV_Q8>(row, params, t, c, head_dim, group, levels); break;
+            case HIPKV_Q8_0: out[c] = hipkv::dequant1<HIPKV_Q8_0>(row, params, t, c, head_dim, group, levels); break;
+            case HIPKV_Q4_TOK: out[c] = hipkv::dequant1<HIPKV_Q4_TOK>(row, params, t, c, head_dim, group, levels); break;
+            case HIPKV_Q2_TOK: out[c] = hipkv::dequant1<HIPKV_Q2_TOK>(row, params, t, c, head_dim, group, levels); break;
+            case HIPKV_Q4_CHAN: out[c] = hipkv::dequant1<HIPKV_Q4_CHAN>(row, params, t, c, head_dim, group, levels); break;
+            case HIPKV_Q2_CHAN: out[c] = hipkv::dequant1<HIPKV_Q2_CHAN>(row, params, t, c, head_dim, group, levels); break;
             default: out[c] = 0.0f; break;
         }
     }
@@ -45,6 +47,15 @@ extern "C" void hipkv_ffi_chunk_codes8(int format, const uint8_t *chunk, int j, 
         default: hipkv::chunk_codes8<HIPKV_Q2_TOK>(b, j, out); break;
     }
 }
+
+// The code of normalized value `u` in a codebook of 2^bits levels (null: uniform), as the write
+// kernels select it.
+extern "C" uint32_t hipkv_ffi_level_code(uint32_t bits, const float *levels, float u) {
+    return bits == 4 ? hipkv::Midpoints<4>(levels).code(u) : hipkv::Midpoints<2>(levels).code(u);
+}
+
+// HIPKV_MAX_LEVELS, for the Rust mirror's test.
+extern "C" uint32_t hipkv_ffi_max_levels() { return HIPKV_MAX_LEVELS; }
 
 // HIPKV_ROWS(head_dim), for the Rust mirror's test.
 extern "C" uint32_t hipkv_ffi_rows(uint32_t head_dim) { return HIPKV_ROWS(head_dim); }

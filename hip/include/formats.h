@@ -9,6 +9,7 @@
 //            per channel group (params)                                   x = min + s·q
 //   q4/q2_chan codes as above; (f16 scale, f16 min) per channel, shared by
 //            the tokens of a page (params)                                x = min + s·q
+//   nuq      a q4/q2 stream with a codebook L of 2^bits levels (code units)  x = min + s·L[q]
 #ifndef HIPKV_FORMATS_H
 #define HIPKV_FORMATS_H
 
@@ -33,6 +34,8 @@ HIPKV_HD constexpr int format_bits(int f) {
 }
 HIPKV_HD constexpr bool format_is_tok(int f) { return f == HIPKV_Q4_TOK || f == HIPKV_Q2_TOK; }
 HIPKV_HD constexpr bool format_is_chan(int f) { return f == HIPKV_Q4_CHAN || f == HIPKV_Q2_CHAN; }
+// The formats a codebook may apply to: the asymmetric low-bit ones.
+HIPKV_HD constexpr bool format_has_levels(int f) { return format_is_tok(f) || format_is_chan(f); }
 
 // Bytes of one token row of `head_dim` channels.
 HIPKV_HD uint32_t row_bytes(int f, uint32_t head_dim) {
@@ -66,6 +69,36 @@ HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
         for (int i = 0; i < 8; ++i) out[i] = (float)((w >> (2 * i)) & 3u);
     }
 }
+
+// Codebooks (nuq, `src/quant/codebook.rs`): at most 16 levels, strictly increasing, in code
+// units. A code decodes to its level; a value takes the code of the nearest level.
+#define HIPKV_MAX_LEVELS 16
+
+// Codes (exact small integers as floats, as `codes8` and the like read them) replaced by the
+// levels they decode to.
+template <int N>
+HIPKV_HD void codes_to_levels(const float *levels, float x[N]) {
+    for (int i = 0; i < N; ++i) x[i] = levels[(uint32_t)x[i]];
+}
+
+// The code of a normalized value `u = (x − min) / scale` in a codebook of 2^B levels: how many
+// of the midpoints (L[i] + L[i+1]) · 0.5 lie at or below `u`, with the f32 operations of
+// `Codebook::code`. Null levels are the uniform ones, whose midpoints i + 0.5 give exactly
+// round(u) (half away from zero) clamped to the codes: one rule for every low-bit stream.
+template <int B>
+struct Midpoints {
+    float at[(1 << B) - 1];
+
+    HIPKV_HD explicit Midpoints(const float *levels) {
+        for (int i = 0; i + 1 < (1 << B); ++i)
+            at[i] = levels != nullptr ? (levels[i] + levels[i + 1]) * 0.5f : (float)i + 0.5f;
+    }
+    HIPKV_HD uint32_t code(float u) const {
+        uint32_t code = 0;
+        for (int i = 0; i + 1 < (1 << B); ++i) code += at[i] <= u ? 1u : 0u;
+        return code;
+    }
+};
 
 // Channels in 16 bytes of a row (f16 8, q8 16, q4 32, q2 64); not for q8_0, whose 34-byte
 // blocks leave rows unaligned.
@@ -164,14 +197,16 @@ HIPKV_HD void element_params(const uint8_t *row, const uint8_t *params, uint32_t
 }
 
 // The dequantized (dense) value of channel c of token t, exactly as `src/quant` computes it.
+// `levels`: the stream's codebook (nuq), or null.
 template <int F>
 HIPKV_HD float dequant1(const uint8_t *row, const uint8_t *params, uint32_t t, uint32_t c,
-                        uint32_t head_dim, uint32_t group) {
+                        uint32_t head_dim, uint32_t group, const float *levels) {
     float scale, min;
     element_params<F>(row, params, t, c, head_dim, group, &scale, &min);
-    const float code = code1<F>(row, c);
+    float code = code1<F>(row, c);
     if constexpr (F == HIPKV_F16) return code;
     if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) return scale * code;
+    if (levels != nullptr) code = levels[(uint32_t)code];
     return min + scale * code;
 }
 

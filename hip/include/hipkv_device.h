@@ -232,6 +232,15 @@ HIPKV_DEV const T *vector_ptr(const T *p) {
 #endif
 }
 
+// `x` in a vector register, its uniformity hidden from the compiler: for a value a loop tests
+// now and then, where a scalar register held through the loop would cost one the loop needs.
+HIPKV_DEV uint32_t vector_u32(uint32_t x) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    asm volatile("" : "+v"(x));
+#endif
+    return x;
+}
+
 // Workgroup barrier: every work-item of the workgroup must reach the same one.
 HIPKV_DEV void barrier() { __syncthreads(); }
 

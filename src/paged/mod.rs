@@ -181,13 +181,6 @@ impl PagedCache {
             return Err(Error::Unsupported("layers must be positive".into()));
         }
         let spec = layout.spec();
-        if spec.scheme.nuq != StreamSet::None && backend != Backend::Cpu {
-            return Err(Error::Unsupported(format!(
-                "scheme {} on the {backend:?} backend: codebooks (nuq) run on the CPU backend \
-                 only; the HIP kernels do not decode them yet",
-                spec.scheme
-            )));
-        }
         let engine = open_engine(backend, spec.head_dim)?;
         let state_bytes = (spec.max_seqs as u128)
             .checked_mul(layers as u128 * layout.state_bytes() as u128)

@@ -3,8 +3,9 @@
 
 pub mod rig;
 
+use hipkv::quant::Codebook;
 use hipkv::synth::Rng;
-use hipkv::{Backend, CacheConfig, KvCache, Query, Rope, RopeLayout, RopeTable, Scheme};
+use hipkv::{Backend, CacheConfig, KvCache, LowBits, Query, Rope, RopeLayout, RopeTable, Scheme};
 
 pub fn config(
     scheme: &str,
@@ -22,6 +23,19 @@ pub fn config(
         capacity,
         scheme: scheme.parse::<Scheme>().unwrap(),
         rope: None,
+    }
+}
+
+/// A codebook of `2^bits` random strictly increasing levels in the codes' range.
+pub fn random_codebook(bits: LowBits, rng: &mut Rng) -> Codebook {
+    let n = 1usize << bits.bits();
+    let top = (n - 1) as f32;
+    loop {
+        let mut levels: Vec<f32> = (0..n).map(|_| rng.uniform() * top).collect();
+        levels.sort_by(f32::total_cmp);
+        if let Ok(book) = Codebook::new(bits, &levels) {
+            return book;
+        }
     }
 }
 

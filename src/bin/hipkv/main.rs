@@ -386,7 +386,7 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          rot (rot=k, rot=v): rows stored Walsh–Hadamard rotated; no bytes, one rotation of the\n\
          query and of the output per step.\n\
          nuq (nuq=k, nuq=v): 4- and 2-bit codes decode through per-layer codebooks calibrated on\n\
-         the model (128 bytes per layer); CPU backend only for now.\n\
+         the model (128 bytes per layer).\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
          tokens in the sub-8-bit presets), the residual page of q*_chan keys (32 tokens) and the\n\
          value window (rv=; kivi*: the last 128 tokens' values, in 128 + 32 rows)."
