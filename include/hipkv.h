@@ -141,6 +141,17 @@ hipkv_status hipkv_set_outlier_thresholds(hipkv_cache *cache, uint32_t layer, co
                                           const float *k_hi, const float *v_lo,
                                           const float *v_hi);
 
+/* Setup: a layer's codebooks (nuq schemes; host memory): for each stream the scheme's nuq
+ * names, 2^bits strictly increasing levels within [0, 2^bits - 1] (bits: the stream's code
+ * width), a code decoding to min + scale * levels[code]; null for the other streams. */
+hipkv_status hipkv_set_codebooks(hipkv_cache *cache, uint32_t layer, const float *k_levels,
+                                 const float *v_levels);
+
+/* Setup: every layer's outlier thresholds and codebooks from the text of a calibration file
+ * (written by `hipkv calibrate`) made for this cache's scheme and shape. Everything is checked
+ * before anything is set. */
+hipkv_status hipkv_apply_calibration(hipkv_cache *cache, const char *text);
+
 /* Memory of the handle's backend (device memory on HIP), zeroed; freed with hipkv_free or
  * with the handle. Setup-time calls: they allocate, copy and wait. */
 hipkv_status hipkv_alloc(hipkv_cache *cache, size_t bytes, void **out);

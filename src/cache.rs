@@ -282,44 +282,7 @@ impl KvCache {
     /// cache's, and every layer must hold what the scheme needs. Checked before anything is set.
     pub fn apply_calibration(&mut self, c: &Calibration) -> Result<()> {
         let cfg = self.config;
-        let mismatch = |what, file: String, cache: String| {
-            Err(Error::CalibrationMismatch { what, file, cache })
-        };
-        if c.scheme != cfg.scheme {
-            return mismatch("scheme", c.scheme.to_string(), cfg.scheme.to_string());
-        }
-        let shape = |layers, heads, d| format!("{layers} layers × {heads} KV heads × head_dim {d}");
-        if (c.layers.len(), c.kv_heads, c.head_dim) != (cfg.layers, cfg.kv_heads, cfg.head_dim) {
-            return mismatch(
-                "shape",
-                shape(c.layers.len(), c.kv_heads, c.head_dim),
-                shape(cfg.layers, cfg.kv_heads, cfg.head_dim),
-            );
-        }
-        let scheme = cfg.scheme;
-        for (l, layer) in c.layers.iter().enumerate() {
-            let outliers_fit = match (&layer.outliers, scheme.outliers) {
-                (Some((_, v)), Some(o)) => v.is_some() == o.values,
-                (None, None) => true,
-                _ => false,
-            };
-            let wants = |s| scheme.nuq.applies(s);
-            let books_fit = match &layer.codebooks {
-                Some((k, v)) => (k.is_some(), v.is_some()) == (wants(Stream::K), wants(Stream::V)),
-                None => scheme.nuq == StreamSet::None,
-            };
-            if !(outliers_fit && books_fit) {
-                return Err(Error::CalibrationIncomplete {
-                    layer: l,
-                    scheme: scheme.to_string(),
-                });
-            }
-            if let Some((k, v)) = &layer.outliers {
-                for t in std::iter::once(k).chain(v) {
-                    t.validate(cfg.kv_heads, cfg.head_dim)?;
-                }
-            }
-        }
+        c.check_fits(cfg.scheme, cfg.layers, cfg.kv_heads, cfg.head_dim)?;
         for (l, layer) in c.layers.iter().enumerate() {
             if let Some((k, v)) = &layer.outliers {
                 self.set_outlier_thresholds(l, k.clone(), v.clone())?;

@@ -17,13 +17,15 @@
 //! ```
 //!
 //! A layer has a line for each item its scheme needs (`v_lo`/`v_hi` with `outliers=kv`) and no
-//! other; [`KvCache::apply_calibration`](crate::KvCache::apply_calibration) checks that.
+//! other; [`Calibration::check_fits`] checks that, before
+//! [`KvCache::apply_calibration`](crate::KvCache::apply_calibration) or
+//! [`PagedCache::apply_calibration`](crate::paged::PagedCache::apply_calibration) sets anything.
 
 use std::fmt::Write as _;
 
 use crate::error::{Error, Result};
 use crate::quant::{Codebook, OutlierThresholds};
-use crate::scheme::{Scheme, Stream};
+use crate::scheme::{Scheme, Stream, StreamSet};
 
 /// The first line of every calibration file, with its version.
 const MAGIC: &str = "hipkv-calibration 1";
@@ -81,6 +83,56 @@ impl Calibration {
             }
         }
         out
+    }
+
+    /// Checks that this calibration is for `scheme` and the shape of a cache (`layers` ×
+    /// `kv_heads` × `head_dim`), that every layer has exactly the items the scheme needs, and
+    /// that its thresholds are valid: what a cache checks before setting any of it.
+    pub fn check_fits(
+        &self,
+        scheme: Scheme,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let mismatch = |what, file: String, cache: String| {
+            Err(Error::CalibrationMismatch { what, file, cache })
+        };
+        if self.scheme != scheme {
+            return mismatch("scheme", self.scheme.to_string(), scheme.to_string());
+        }
+        let shape = |layers, heads, d| format!("{layers} layers × {heads} KV heads × head_dim {d}");
+        if (self.layers.len(), self.kv_heads, self.head_dim) != (layers, kv_heads, head_dim) {
+            return mismatch(
+                "shape",
+                shape(self.layers.len(), self.kv_heads, self.head_dim),
+                shape(layers, kv_heads, head_dim),
+            );
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            let outliers_fit = match (&layer.outliers, scheme.outliers) {
+                (Some((_, v)), Some(o)) => v.is_some() == o.values,
+                (None, None) => true,
+                _ => false,
+            };
+            let wants = |s| scheme.nuq.applies(s);
+            let books_fit = match &layer.codebooks {
+                Some((k, v)) => (k.is_some(), v.is_some()) == (wants(Stream::K), wants(Stream::V)),
+                None => scheme.nuq == StreamSet::None,
+            };
+            if !(outliers_fit && books_fit) {
+                return Err(Error::CalibrationIncomplete {
+                    layer: l,
+                    scheme: scheme.to_string(),
+                });
+            }
+            if let Some((k, v)) = &layer.outliers {
+                for t in std::iter::once(k).chain(v) {
+                    t.validate(kv_heads, head_dim)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Parses a file's text. Every item is checked as it would be when set: codebooks by

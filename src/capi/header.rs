@@ -201,6 +201,20 @@ unsafe extern "C" {
     ) -> hipkv_status;
 }
 unsafe extern "C" {
+    pub fn hipkv_set_codebooks(
+        cache: *mut hipkv_cache,
+        layer: u32,
+        k_levels: *const f32,
+        v_levels: *const f32,
+    ) -> hipkv_status;
+}
+unsafe extern "C" {
+    pub fn hipkv_apply_calibration(
+        cache: *mut hipkv_cache,
+        text: *const ::std::os::raw::c_char,
+    ) -> hipkv_status;
+}
+unsafe extern "C" {
     pub fn hipkv_alloc(
         cache: *mut hipkv_cache,
         bytes: usize,

@@ -25,14 +25,16 @@ pub use header::{
 };
 
 use crate::backend::Backend;
+use crate::calibration::Calibration;
 use crate::error::{Error, Result};
 use crate::hip::StreamHandle;
 use crate::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, LayoutSpec, PagedCache, QueryBatch,
     Workspace,
 };
-use crate::quant::OutlierThresholds;
+use crate::quant::{Codebook, OutlierThresholds};
 use crate::rope::{Rope, RopeLayout};
+use crate::scheme::Stream;
 
 /// What a `hipkv_cache *` points to.
 struct Handle {
@@ -286,6 +288,65 @@ pub unsafe extern "C" fn hipkv_set_outlier_thresholds(
         };
         h.paged
             .set_outlier_thresholds(layer as usize, &k, v.as_ref())
+    })
+}
+
+/// # Safety
+/// `cache` is a live handle; each non-null level array holds `2^bits` floats, `bits` its
+/// stream's code width.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn hipkv_set_codebooks(
+    cache: *mut hipkv_cache,
+    layer: u32,
+    k_levels: *const f32,
+    v_levels: *const f32,
+) -> hipkv_status {
+    guard(|| {
+        if cache.is_null() {
+            return Err(invalid("a null hipkv_cache"));
+        }
+        // SAFETY: a live handle, used by this thread only during the call (the header's
+        // setup-time contract).
+        let h = unsafe { &mut *cache.cast::<Handle>() };
+        let scheme = h.paged.layout().scheme();
+        let read = |stream: Stream, levels: *const f32| -> Result<Option<Codebook>> {
+            if levels.is_null() {
+                return Ok(None);
+            }
+            let bits = scheme.low_bits(stream).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "scheme {scheme} stores {stream} without 4- or 2-bit codes: no codebook"
+                ))
+            })?;
+            // SAFETY: `2^bits` floats, by the caller's contract.
+            let levels = unsafe { std::slice::from_raw_parts(levels, 1 << bits.bits()) };
+            Codebook::new(bits, levels).map(Some)
+        };
+        let (k, v) = (read(Stream::K, k_levels)?, read(Stream::V, v_levels)?);
+        h.paged
+            .set_codebooks(layer as usize, k.as_ref(), v.as_ref())
+    })
+}
+
+/// # Safety
+/// `cache` is a live handle; `text` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn hipkv_apply_calibration(
+    cache: *mut hipkv_cache,
+    text: *const c_char,
+) -> hipkv_status {
+    guard(|| {
+        if cache.is_null() || text.is_null() {
+            return Err(invalid("a null argument"));
+        }
+        // SAFETY: a live handle, used by this thread only during the call (the header's
+        // setup-time contract).
+        let h = unsafe { &mut *cache.cast::<Handle>() };
+        // SAFETY: a NUL-terminated string, by the caller's contract.
+        let text = unsafe { CStr::from_ptr(text) }
+            .to_str()
+            .map_err(|_| invalid("a calibration text that is not UTF-8"))?;
+        h.paged.apply_calibration(&Calibration::parse(text)?)
     })
 }
 
@@ -550,6 +611,8 @@ fn signatures_match_the_header() {
         hipkv_workspace_bytes(_, _);
         hipkv_block_tokens(_);
         hipkv_set_outlier_thresholds(_, _, _, _, _, _);
+        hipkv_set_codebooks(_, _, _, _);
+        hipkv_apply_calibration(_, _);
         hipkv_alloc(_, _, _);
         hipkv_free(_, _);
         hipkv_upload(_, _, _, _, _);

@@ -34,6 +34,7 @@ use crate::abi::{
     hipkv_device_error, hipkv_write_params,
 };
 use crate::backend::{Backend, Engine, GFX1201_COMPUTE_UNITS, cpu, device, open_engine};
+use crate::calibration::Calibration;
 use crate::error::{Error, Result};
 use crate::hip::{Device, StreamHandle};
 use crate::quant::{Codebook, MAX_LEVELS, OutlierThresholds};
@@ -355,6 +356,23 @@ impl PagedCache {
             mem,
             books: [k.cloned(), v.cloned()],
         });
+        Ok(())
+    }
+
+    /// Sets every layer's outlier thresholds and codebooks from a calibration made for this
+    /// cache's scheme and shape ([`Calibration::check_fits`]); nothing unless all of it fits.
+    /// Setup time, as the setters it calls.
+    pub fn apply_calibration(&mut self, c: &Calibration) -> Result<()> {
+        let spec = *self.layout.spec();
+        c.check_fits(spec.scheme, self.layers, spec.kv_heads, spec.head_dim)?;
+        for (l, layer) in c.layers.iter().enumerate() {
+            if let Some((k, v)) = &layer.outliers {
+                self.set_outlier_thresholds(l, k, v.as_ref())?;
+            }
+            if let Some((k, v)) = &layer.codebooks {
+                self.set_codebooks(l, k.as_ref(), v.as_ref())?;
+            }
+        }
         Ok(())
     }
 

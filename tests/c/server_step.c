@@ -3,7 +3,8 @@
  * tests/capi.rs: a batch that prefills one sequence and decodes another, written and attended
  * with f16 inputs and outputs, on the emulated device (the HIP kernels' own code) and on the
  * CPU backend. Checked against a naive attention (scheme f16, exact up to f16 rounding) and
- * the emulated device against the CPU (kivi2 with sinks); then a bad block id comes back from
+ * the emulated device against the CPU (kivi2 with sinks, and kivi2 with codebooks: set from a
+ * calibration text on one, level by level on the other); then a bad block id comes back from
  * hipkv_check as HIPKV_ERROR_DEVICE_INDEX with its message, and the handle still serves.
  */
 #include "hipkv.h"
@@ -60,12 +61,38 @@ static void *upload(hipkv_cache *c, const void *host, size_t bytes) {
     return mem;
 }
 
+/* Codebooks of a kivi2,nuq cache, as levels and as the calibration file `hipkv calibrate`
+ * writes. */
+static const float K_LEVELS[4] = {0.0f, 0.75f, 2.25f, 3.0f}, V_LEVELS[4] = {0.25f, 1.0f, 2.0f, 2.75f};
+static const char *NUQ_CALIBRATION = "hipkv-calibration 1\n"
+                                     "scheme kivi2,nuq\n"
+                                     "shape layers=1 kv_heads=2 head_dim=64\n"
+                                     "layer 0 k_levels 0 0.75 2.25 3\n"
+                                     "layer 0 v_levels 0.25 1 2 2.75\n";
+
+/* A nuq cache's codebooks: from the calibration text on the emulated device, level by level on
+ * the CPU, after checking that bad ones are refused. */
+static void set_codebooks(hipkv_cache *c, hipkv_backend backend) {
+    const float unordered[4] = {0.0f, 2.0f, 1.0f, 3.0f};
+    if (hipkv_set_codebooks(c, 0, unordered, V_LEVELS) != HIPKV_ERROR_INVALID_ARGUMENT ||
+        hipkv_apply_calibration(c, "hipkv-calibration 1\nscheme kivi4,nuq\n") !=
+            HIPKV_ERROR_INVALID_ARGUMENT) {
+        fprintf(stderr, "bad codebooks were not refused: %s\n", hipkv_last_error());
+        exit(1);
+    }
+    if (backend == HIPKV_BACKEND_EMU)
+        CHECK(hipkv_apply_calibration(c, NUQ_CALIBRATION));
+    else
+        CHECK(hipkv_set_codebooks(c, 0, K_LEVELS, V_LEVELS));
+}
+
 /* Runs the step on `backend` and returns the attention output (Q_TOKENS × Q_ROW floats). */
 static void step(hipkv_backend backend, const char *scheme, float *out) {
     hipkv_layout_desc desc = {scheme, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, MAX_SEQS, 256,
                               0.0f, 1};
     hipkv_cache *c;
     CHECK(hipkv_cache_create(&desc, 1, backend, &c));
+    if (strstr(scheme, "nuq")) set_codebooks(c, backend);
     const uint32_t bt = hipkv_block_tokens(c);
     void *layer;
     CHECK(hipkv_alloc(c, hipkv_cache_bytes(c), &layer));
@@ -189,10 +216,14 @@ int main(void) {
     step(HIPKV_BACKEND_EMU, "kivi2,sinks=4", emu);
     step(HIPKV_BACKEND_CPU, "kivi2,sinks=4", cpu);
     const float e_kivi = rows_err(emu, cpu);
-    printf("server_step: f16 vs reference: emu %.2e cpu %.2e; kivi2 emu vs cpu %.2e\n", e_emu,
-           e_cpu, e_kivi);
+    step(HIPKV_BACKEND_EMU, "kivi2,nuq", emu);
+    step(HIPKV_BACKEND_CPU, "kivi2,nuq", cpu);
+    const float e_nuq = rows_err(emu, cpu);
+    printf("server_step: f16 vs reference: emu %.2e cpu %.2e; emu vs cpu: kivi2 %.2e, "
+           "kivi2,nuq %.2e\n",
+           e_emu, e_cpu, e_kivi, e_nuq);
     /* f16 outputs: within their own rounding (2^-11) and the kernels' 1e-5. */
-    if (e_emu > 2e-3f || e_cpu > 2e-3f || e_kivi > 2e-3f) {
+    if (e_emu > 2e-3f || e_cpu > 2e-3f || e_kivi > 2e-3f || e_nuq > 2e-3f) {
         fprintf(stderr, "server_step: outputs out of tolerance\n");
         return 1;
     }
