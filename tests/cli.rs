@@ -229,7 +229,7 @@ fn eval_rejects_bad_schemes_and_text_before_loading() {
 }
 
 /// `bench --batch`: a decode step for a batch of mixed lengths through the paged API, with the
-/// kernels' and the host's time per call.
+/// kernels' and the host's time per call; a scheme that calibrates (outliers, codebooks) too.
 #[test]
 fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
     let out = hipkv(&[
@@ -239,7 +239,7 @@ fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
         "--contexts",
         "96",
         "--schemes",
-        "q8;kivi2,sinks=4",
+        "q8;kivi2,sinks=4;kivi2,nuq,outliers=kv",
         "--min-time",
         "0",
         "--json",
@@ -252,7 +252,7 @@ fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
     );
     let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
     let rows = rows.as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(rows.len(), 3, "{text}");
     for r in rows {
         assert_eq!(r["sequences"], 3, "{r}");
         assert_eq!(

@@ -13,9 +13,8 @@ use hipkv::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, LayoutSpec, PagedCache, QueryBatch,
     Workspace,
 };
-use hipkv::quant::OutlierThresholds;
 use hipkv::synth::{Rng, TokenPool};
-use hipkv::{Rope, RopeLayout, Scheme};
+use hipkv::{CacheConfig, KvCache, Rope, RopeLayout, Scheme, StreamSet};
 
 use super::{CliError, Shape};
 
@@ -96,14 +95,22 @@ pub(crate) fn batch_row(
     })?;
     let mut paged = PagedCache::new(layout, 1, backend)?;
     let (h, d) = (shape.kv_heads, shape.head_dim);
-    if let Some(o) = scheme.outliers {
+    if scheme.outliers.is_some() || scheme.nuq != StreamSet::None {
+        // What the scheme calibrates (outlier thresholds, codebooks), on the pool's tokens as
+        // `hipkv bench` calibrates its caches, carried over as a calibration file would be.
         let (k, v) = pool.first(pool.tokens());
-        let kt = OutlierThresholds::calibrate(k, h, d, o.fraction)?;
-        let vt = o
-            .values
-            .then(|| OutlierThresholds::calibrate(v, h, d, o.fraction))
-            .transpose()?;
-        paged.set_outlier_thresholds(0, &kt, vt.as_ref())?;
+        let mut calibrating = KvCache::new(CacheConfig {
+            layers: 1,
+            sequences: 1,
+            kv_heads: h,
+            q_heads: shape.q_heads,
+            head_dim: d,
+            capacity: pool.tokens(),
+            scheme,
+            rope: layout.spec().rope,
+        })?;
+        calibrating.calibrate(0, k, v, 0)?;
+        paged.apply_calibration(&calibrating.calibration())?;
     }
     let cache = paged.alloc(layout.cache_bytes())?;
     let stream = StreamHandle::DEFAULT;
