@@ -184,7 +184,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 if ((uint32_t)r < rows) s[r] += scale * dot[r];
         }
     } else {
-        // f16 and q8 (one scale per token), and per-channel formats, whose codes are dotted
+        // f16, q8 and fp8 (one scale per token), and per-channel formats, whose codes are dotted
         // with the page's folded query `q ∘ s` (then plus the row's `q · m`).
         const float *qk = q;
         if constexpr (format_is_chan(F)) qk = vector_ptr(p.partial_acc + w.out * D);
@@ -207,7 +207,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += bias[r];
         }
-        if constexpr (F == HIPKV_Q8) {
+        if constexpr (F == HIPKV_Q8 || F == HIPKV_FP8) {
             const float scale = load_f16(k.params + 2 * t);
             for (int r = 0; r < kRows<D>; ++r) s[r] *= scale;
         }
@@ -263,7 +263,8 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             float scale, min;
             element_params<F>(row, k.params, t, c, D, k.group, &scale, &min);
             for (int i = 0; i < 8; ++i)
-                x[i] = (F == HIPKV_Q8 || F == HIPKV_Q8_0) ? scale * x[i] : min + scale * x[i];
+                x[i] = (F == HIPKV_Q8 || F == HIPKV_Q8_0 || F == HIPKV_FP8) ? scale * x[i]
+                                                                             : min + scale * x[i];
         }
     };
     if (p.g.rope_pairs_interleaved) {
@@ -790,6 +791,7 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     HIPKV_ATTN(KN, KF, f16, HIPKV_F16, D)            \
     HIPKV_ATTN(KN, KF, q8, HIPKV_Q8, D)              \
     HIPKV_ATTN(KN, KF, q8_0, HIPKV_Q8_0, D)          \
+    HIPKV_ATTN(KN, KF, fp8, HIPKV_FP8, D)            \
     HIPKV_ATTN(KN, KF, q4_tok, HIPKV_Q4_TOK, D)      \
     HIPKV_ATTN(KN, KF, q2_tok, HIPKV_Q2_TOK, D)      \
     HIPKV_ATTN(KN, KF, q4_chan, HIPKV_Q4_CHAN, D)    \
@@ -798,6 +800,7 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     HIPKV_ATTN_V(f16, HIPKV_F16, D)                  \
     HIPKV_ATTN_V(q8, HIPKV_Q8, D)                    \
     HIPKV_ATTN_V(q8_0, HIPKV_Q8_0, D)                \
+    HIPKV_ATTN_V(fp8, HIPKV_FP8, D)                  \
     HIPKV_ATTN_V(q4_tok, HIPKV_Q4_TOK, D)            \
     HIPKV_ATTN_V(q2_tok, HIPKV_Q2_TOK, D)            \
     HIPKV_ATTN_V(q4_chan, HIPKV_Q4_CHAN, D)          \

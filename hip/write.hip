@@ -323,6 +323,14 @@ HIPKV_DEV void quantize_row(const hipkv_write_params &p, uint8_t *block, uint32_
     uint8_t *row = block + l.rows + (size_t)t * l.row_bytes;
     if constexpr (F == HIPKV_F16) {
         for (int i = 0; i < N; ++i) store_u16(row + 2 * (c0 + i), float_to_half(x[i]));
+    } else if constexpr (F == HIPKV_FP8) {
+        // One scale for the row, max|x| / 448; e4m3 codes of x / scale.
+        float amax = 0.0f;
+        for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x[i]));
+        const float scale = round_f16(segment_max(amax, HIPKV_WAVE) / HIPKV_FP8_MAX);
+        if (lane_id() == 0) store_u16(block + l.params + 2 * t, float_to_half(scale));
+        for (int i = 0; i < N; ++i)
+            row[c0 + i] = scale == 0.0f ? 0 : (uint8_t)float_to_fp8(x[i] / scale);
     } else if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) {
         // q8: one scale for the row (all lanes); q8_0: one per 32-channel block.
         float amax = 0.0f;
@@ -513,6 +521,7 @@ HIPKV_KERNEL(hipkv_copy_blocks, hipkv_copy_params) {
     HIPKV_WRITE(f16, HIPKV_F16, D)                                      \
     HIPKV_WRITE(q8, HIPKV_Q8, D)                                        \
     HIPKV_WRITE(q8_0, HIPKV_Q8_0, D)                                    \
+    HIPKV_WRITE(fp8, HIPKV_FP8, D)                                      \
     HIPKV_WRITE(q4_tok, HIPKV_Q4_TOK, D)                                \
     HIPKV_WRITE(q2_tok, HIPKV_Q2_TOK, D)                                \
     HIPKV_WRITE(q4_chan, HIPKV_Q4_CHAN, D)                              \

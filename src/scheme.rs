@@ -91,6 +91,12 @@ impl ChannelGroup {
     }
 }
 
+/// The storage formats' names in kernel names, by their ABI number: every format the kernels
+/// are built for (one scheme spelling each).
+pub const KERNEL_FORMATS: [&str; 8] = [
+    "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan", "fp8",
+];
+
 /// How one stream (K or V) of one token-head is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Format {
@@ -100,6 +106,9 @@ pub enum Format {
     Q8,
     /// llama.cpp `q8_0`: blocks of 32 channels, each `{f16 d; i8 qs[32]}` (34 bytes).
     Q8_0,
+    /// OCP fp8 e4m3 (production servers' fp8 cache), one f16 scale per token per head:
+    /// `x = scale * e4m3(q)`, `scale = max|x| / 448` ([`crate::quant::e4m3_from_f32`]).
+    Fp8,
     /// Asymmetric per token, over groups of channels: `x = min + scale * q`, `q ∈ [0, 2^b - 1]`.
     Tok { bits: LowBits, group: ChannelGroup },
     /// Asymmetric per channel over the `group_tokens` tokens of a page (KIVI keys). The tokens of
@@ -112,7 +121,7 @@ impl Format {
     pub fn nominal_bits(self) -> usize {
         match self {
             Format::F16 => 16,
-            Format::Q8 | Format::Q8_0 => 8,
+            Format::Q8 | Format::Q8_0 | Format::Fp8 => 8,
             Format::Tok { bits, .. } | Format::Chan { bits } => bits.bits(),
         }
     }
@@ -134,14 +143,13 @@ impl Format {
                 bits: LowBits::Four,
             } => 5,
             Format::Chan { bits: LowBits::Two } => 6,
+            Format::Fp8 => 7,
         }
     }
 
     /// The format's name in kernel names (`hipkv_attn_<key>_<value>_d<head_dim>`).
     pub fn kernel_name(self) -> &'static str {
-        [
-            "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
-        ][self.abi_code() as usize]
+        KERNEL_FORMATS[self.abi_code() as usize]
     }
 
     /// Whether tokens wait in the f16 residual window until their page is full.
@@ -154,7 +162,7 @@ impl Format {
     pub fn row_bytes(self, head_dim: usize) -> usize {
         match self {
             Format::F16 => head_dim * 2,
-            Format::Q8 => head_dim,
+            Format::Q8 | Format::Fp8 => head_dim,
             Format::Q8_0 => head_dim / Q8_0_BLOCK * Q8_0_BLOCK_BYTES,
             Format::Tok { bits, .. } | Format::Chan { bits } => head_dim / bits.codes_per_byte(),
         }
@@ -164,7 +172,7 @@ impl Format {
     pub fn params_bytes(self, tokens: usize, head_dim: usize) -> usize {
         match self {
             Format::F16 | Format::Q8_0 => 0,
-            Format::Q8 => tokens * 2,
+            Format::Q8 | Format::Fp8 => tokens * 2,
             Format::Tok { group, .. } => tokens * (head_dim / group.size(head_dim)) * 4,
             Format::Chan { .. } => head_dim * 4,
         }
@@ -192,6 +200,7 @@ impl fmt::Display for Format {
             Format::F16 => f.write_str("f16"),
             Format::Q8 => f.write_str("q8"),
             Format::Q8_0 => f.write_str("q8_0"),
+            Format::Fp8 => f.write_str("fp8"),
             Format::Tok { bits, group } => {
                 write!(f, "q{}_tok", bits.bits())?;
                 match group {
@@ -223,6 +232,7 @@ impl FromStr for Format {
             "f16" => Format::F16,
             "q8" => Format::Q8,
             "q8_0" => Format::Q8_0,
+            "fp8" => Format::Fp8,
             _ => {
                 let body = name.strip_prefix('q').ok_or_else(bad)?;
                 if let Some(b) = body.strip_suffix("_tok") {
@@ -367,7 +377,9 @@ pub struct Scheme {
 }
 
 /// Named presets, in the order `hipkv info` and `hipkv bench` list them.
-pub const PRESETS: [&str; 7] = ["f16", "q8", "q8_0", "q4_tok", "q2_tok", "kivi4", "kivi2"];
+pub const PRESETS: [&str; 8] = [
+    "f16", "q8", "q8_0", "fp8", "q4_tok", "q2_tok", "kivi4", "kivi2",
+];
 
 impl Scheme {
     /// Both streams in the same format, default options.
@@ -406,6 +418,7 @@ impl Scheme {
             "f16" => Scheme::uniform(Format::F16),
             "q8" => Scheme::uniform(Format::Q8),
             "q8_0" => Scheme::uniform(Format::Q8_0),
+            "fp8" => Scheme::uniform(Format::Fp8),
             "q4_tok" => Scheme::uniform(tok(LowBits::Four)).with_sinks(),
             "q2_tok" => Scheme::uniform(tok(LowBits::Two)).with_sinks(),
             "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)).kivi(),

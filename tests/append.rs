@@ -7,13 +7,9 @@
 mod common;
 
 use common::{config, with_rope};
+use hipkv::scheme::KERNEL_FORMATS as FORMATS;
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, KvCache, RopeLayout, StreamSet};
-
-/// Every storage format, by its scheme spelling.
-const FORMATS: [&str; 7] = [
-    "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
-];
 
 /// Chunk sizes of the appends: single tokens, a chunk ending a page, one filling two pages at
 /// once and leaving a third open, and so on; 200 tokens in all.

@@ -27,6 +27,8 @@ unsafe extern "C" {
     );
     fn hipkv_ffi_level_code(bits: u32, levels: *const f32, u: f32) -> u32;
     fn hipkv_ffi_max_levels() -> u32;
+    fn hipkv_ffi_fp8_to_float(c: u32) -> f32;
+    fn hipkv_ffi_float_to_fp8(x: f32) -> u32;
     fn hipkv_ffi_codes8(format: i32, row: *const u8, c: u32, out: *mut f32);
     fn hipkv_ffi_chunk_codes8(format: i32, chunk: *const u8, j: i32, out: *mut f32);
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
@@ -127,6 +129,39 @@ fn cpp_dequant(
         )
     };
     out
+}
+
+/// The fp8 conversions of `formats.h` (what the emulator runs) are the reference's: every
+/// one of the 256 codes decodes to the same value, and every code's value, every tie between
+/// neighbours and the floats beside them, values past ±448 and random quotients encode alike.
+#[test]
+fn fp8_conversions_agree_for_every_code_and_tie() {
+    for c in 0..=255u8 {
+        let want = quant::e4m3_to_f32(c);
+        // SAFETY: pure functions of their arguments.
+        let got = unsafe { hipkv_ffi_fp8_to_float(u32::from(c)) };
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "code {c:#04x}: {got} vs {want}"
+        );
+    }
+    let mut xs = vec![
+        0.0f32, -0.0, 448.0, 464.0, -464.0, 500.0, 1e30, -1e30, 1e-30, -1e-30,
+    ];
+    for c in 0..0x7eu8 {
+        let (lo, hi) = (quant::e4m3_to_f32(c), quant::e4m3_to_f32(c + 1));
+        let mid = (lo + hi) / 2.0;
+        for x in [lo, mid, mid.next_down(), mid.next_up()] {
+            xs.extend([x, -x]);
+        }
+    }
+    let mut rng = Rng::new(8);
+    xs.extend((0..10_000).map(|_| rng.normal() * 100.0));
+    for x in xs {
+        // SAFETY: as above.
+        let got = unsafe { hipkv_ffi_float_to_fp8(x) };
+        assert_eq!(got, u32::from(quant::e4m3_from_f32(x)), "x = {x}");
+    }
 }
 
 #[test]

@@ -7,6 +7,7 @@
 mod common;
 
 use common::{assert_outputs_close, config, fill, naive_attend, queries, with_rope};
+use hipkv::scheme::KERNEL_FORMATS as FORMATS;
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, KvCache, RopeLayout};
 
@@ -14,11 +15,6 @@ use hipkv::{Backend, CacheConfig, KvCache, RopeLayout};
 /// of the softmax and the per-group folding of scales and minimums: within 1e-5 of each output
 /// row's largest element, as the CPU backend.
 const TOLERANCE: f32 = 1e-5;
-
-/// Every storage format, by its scheme spelling.
-const FORMATS: [&str; 7] = [
-    "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
-];
 
 /// Fills one sequence per entry of `lens`, attends one decode token per sequence on the
 /// emulator, and compares each output row with the reference.

@@ -7,15 +7,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use hipkv::codeobj::{KernelResources, embedded_kernels, resource_table};
 use hipkv::kernels::{attention_kernel_name, code_objects, gpu_build_skipped, write_kernel_name};
-use hipkv::scheme::HEAD_DIMS;
+use hipkv::scheme::{HEAD_DIMS, KERNEL_FORMATS as FORMATS};
 
 #[path = "common/toolchain.rs"]
 mod toolchain;
 
-/// Every storage format, by its scheme spelling.
-const FORMATS: [&str; 7] = [
-    "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
-];
 /// Decode attention is latency-bound on its loads: it needs this many waves per SIMD in flight.
 const MIN_DECODE_WAVES: u32 = 8;
 const ARCH: &str = "gfx1201";

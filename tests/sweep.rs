@@ -16,12 +16,9 @@ use common::rig::{Rig, Server, step};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{DType, Layout, LayoutSpec};
 use hipkv::quant::OutlierThresholds;
+use hipkv::scheme::KERNEL_FORMATS as FORMATS;
 use hipkv::synth::Rng;
 use hipkv::{Backend, Rope, RopeLayout, Scheme, Stream};
-
-const FORMATS: [&str; 7] = [
-    "f16", "q8", "q8_0", "q4_tok", "q2_tok", "q4_chan", "q2_chan",
-];
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -118,8 +115,7 @@ fn random_config(rng: &mut Rng) -> Config {
     steps.retain(|s| !s.is_empty());
     let fork = (seqs > 1 && rng.below(3) == 0).then_some((0, seqs));
     let kv_heads = 1 + rng.below(2);
-    // Codebooks on the low-bit streams, drawn last: a configuration without them is the one
-    // its seed gave before codebooks were swept.
+    // Codebooks on the low-bit streams, drawn last: no other choice of a seed depends on them.
     let low = |f: &str| f.starts_with("q4") || f.starts_with("q2");
     if (low(&k) || low(&v)) && rng.below(4) == 0 {
         scheme += match (low(&k), low(&v)) {

@@ -54,6 +54,10 @@ extern "C" uint32_t hipkv_ffi_level_code(uint32_t bits, const float *levels, flo
     return bits == 4 ? hipkv::Midpoints<4>(levels).code(u) : hipkv::Midpoints<2>(levels).code(u);
 }
 
+// The fp8 e4m3 conversions the kernels use off gfx12 (the emulator's).
+extern "C" float hipkv_ffi_fp8_to_float(uint32_t c) { return hipkv::fp8_to_float(c); }
+extern "C" uint32_t hipkv_ffi_float_to_fp8(float x) { return hipkv::float_to_fp8(x); }
+
 // HIPKV_MAX_LEVELS, for the Rust mirror's test.
 extern "C" uint32_t hipkv_ffi_max_levels() { return HIPKV_MAX_LEVELS; }
 

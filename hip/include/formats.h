@@ -5,6 +5,7 @@
 //   f16      little-endian IEEE binary16 per element
 //   q8       int8 per element; one f16 scale per token (params)            x = s·q
 //   q8_0     per 32 channels {f16 d; int8 q[32]} inside the row (34 B)     x = d·q
+//   fp8      OCP e4m3 per element; one f16 scale per token (params)        x = s·e4m3(q)
 //   q4/q2_tok codes packed low bits first; (f16 scale, f16 min) per token
 //            per channel group (params)                                   x = min + s·q
 //   q4/q2_chan codes as above; (f16 scale, f16 min) per channel, shared by
@@ -28,8 +29,65 @@ HIPKV_HD uint32_t log2_pow2(uint32_t x) { return (uint32_t)__builtin_ctz(x); }
 HIPKV_HD uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 HIPKV_HD float load_f16(const uint8_t *p) { return half_to_float(load_u16(p)); }
 
+// fp8 e4m3 (OCP: bias 7, no infinities, NaN S.1111.111, largest ±448), as
+// `src/quant/fp8.rs`. gfx12 converts in hardware (v_cvt_f32_fp8, v_cvt_pk_fp8_f32, round to
+// nearest even); elsewhere (the emulator, other GPUs) the same results in software.
+#define HIPKV_FP8_MAX 448.0f
+
+// The value of e4m3 code `c` (its low byte): moved into an f16's fields it is the value times
+// 2^-8, subnormals included.
+HIPKV_HD float fp8_to_float_soft(uint32_t c) {
+    if ((c & 0x7f) == 0x7f) return __builtin_nanf("");
+    return half_to_float((uint16_t)(((c & 0x80) << 8) | ((c & 0x7f) << 7))) * 256.0f;
+}
+
+// The e4m3 code of finite `x`: round to nearest even, saturated at ±448, sign kept.
+HIPKV_HD uint32_t float_to_fp8_soft(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint32_t sign = (bits >> 24) & 0x80;
+    const float a = fminf(fabsf(x), HIPKV_FP8_MAX);
+    // Subnormal: multiples of 2^-9 (rounding up to 2^-6 gives code 8, the first normal).
+    if (a < 0.015625f) return sign | (uint32_t)rintf(a * 512.0f);
+    memcpy(&bits, &a, 4);
+    // The f32 exponent and mantissa rounded to 3 mantissa bits (ties to even), rebiased.
+    const uint32_t rounded = (bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20;
+    return sign | (rounded - (120u << 3));
+}
+
+HIPKV_HD uint32_t float_to_fp8(float x) {
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__GFX12__)
+    // Clamped first: the conversion's own overflow gives NaN.
+    const float c = fminf(fmaxf(x, -HIPKV_FP8_MAX), HIPKV_FP8_MAX);
+    return (uint32_t)__builtin_amdgcn_cvt_pk_fp8_f32(c, c, 0, false) & 0xffu;
+#else
+    return float_to_fp8_soft(x);
+#endif
+}
+
+// The four e4m3 codes of `w`, low byte first, as floats.
+HIPKV_HD void fp8x4(uint32_t w, float out[4]) {
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__GFX12__)
+    out[0] = __builtin_amdgcn_cvt_f32_fp8((int)w, 0);
+    out[1] = __builtin_amdgcn_cvt_f32_fp8((int)w, 1);
+    out[2] = __builtin_amdgcn_cvt_f32_fp8((int)w, 2);
+    out[3] = __builtin_amdgcn_cvt_f32_fp8((int)w, 3);
+#else
+    for (int i = 0; i < 4; ++i) out[i] = fp8_to_float_soft((w >> (8 * i)) & 0xffu);
+#endif
+}
+
+// The value of e4m3 code `c` (its low byte).
+HIPKV_HD float fp8_to_float(uint32_t c) {
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__GFX12__)
+    return __builtin_amdgcn_cvt_f32_fp8((int)c, 0);
+#else
+    return fp8_to_float_soft(c);
+#endif
+}
+
 HIPKV_HD constexpr int format_bits(int f) {
-    return f == HIPKV_F16 ? 16 : (f == HIPKV_Q8 || f == HIPKV_Q8_0) ? 8
+    return f == HIPKV_F16 ? 16 : (f == HIPKV_Q8 || f == HIPKV_Q8_0 || f == HIPKV_FP8) ? 8
                                : (f == HIPKV_Q4_TOK || f == HIPKV_Q4_CHAN) ? 4 : 2;
 }
 HIPKV_HD constexpr bool format_is_tok(int f) { return f == HIPKV_Q4_TOK || f == HIPKV_Q2_TOK; }
@@ -41,18 +99,21 @@ HIPKV_HD constexpr bool format_has_levels(int f) { return format_is_tok(f) || fo
 HIPKV_HD uint32_t row_bytes(int f, uint32_t head_dim) {
     switch (f) {
         case HIPKV_F16: return 2 * head_dim;
-        case HIPKV_Q8: return head_dim;
+        case HIPKV_Q8: case HIPKV_FP8: return head_dim;
         case HIPKV_Q8_0: return head_dim / HIPKV_Q8_0_BLOCK * HIPKV_Q8_0_BLOCK_BYTES;
         default: return head_dim * format_bits(f) / 8;
     }
 }
 
-// The raw code (or, for f16, the value) of channels c..c+8 of one row, as floats, c % 8 == 0.
+// The raw code (or, for f16, the value; for fp8, the e4m3 value) of channels c..c+8 of one
+// row, as floats, c % 8 == 0.
 // For q8_0 the codes only: the block scale is read by `q8_0_scale`.
 template <int F>
 HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
     if constexpr (F == HIPKV_F16) {
         for (int i = 0; i < 8; ++i) out[i] = load_f16(row + 2 * (c + i));
+    } else if constexpr (F == HIPKV_FP8) {
+        for (int i = 0; i < 8; ++i) out[i] = fp8_to_float(row[c + i]);
     } else if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) {
         const uint8_t *p = F == HIPKV_Q8 ? row + c
                                          : row + (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES +
@@ -114,6 +175,9 @@ HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
         for (int i = 0; i < 8; ++i) out[i] = half_to_float((uint16_t)(b.w[i / 2] >> (16 * (i % 2))));
     } else if constexpr (F == HIPKV_Q8) {
         for (int i = 0; i < 8; ++i) out[i] = (float)(int8_t)(b.w[2 * j + i / 4] >> (8 * (i % 4)));
+    } else if constexpr (F == HIPKV_FP8) {
+        fp8x4(b.w[2 * j], out);
+        fp8x4(b.w[2 * j + 1], out + 4);
     } else if constexpr (format_bits(F) == 4) {
         for (int i = 0; i < 8; ++i) out[i] = (float)((b.w[j] >> (4 * i)) & 15u);
     } else {
@@ -123,7 +187,7 @@ HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
 }
 
 #if defined(HIPKV_DEV)
-// The raw codes (f16: values) of channels c0..c0+N of a row, N a power of two, c0 a multiple
+// The raw codes (f16, fp8: values) of channels c0..c0+N of a row, N a power of two, c0 a multiple
 // of N, read in one load of N·bits bits (at most 128), or of the aligned 32-bit word holding
 // them; not q8_0. Rows are 16-byte aligned (`docs/formats.md`).
 template <int F, int N>
@@ -146,19 +210,23 @@ HIPKV_DEV void lane_codes(const uint8_t *row, uint32_t c0, float out[N]) {
             out[i] = half_to_float((uint16_t)code);
         else if constexpr (F == HIPKV_Q8)
             out[i] = (float)(int8_t)code;
+        else if constexpr (F == HIPKV_FP8)
+            out[i] = fp8_to_float(code);
         else
             out[i] = (float)code;
     }
 }
 #endif
 
-// The raw code of channel c of one row (for outlier corrections).
+// The raw code (f16, fp8: value) of channel c of one row (for outlier corrections).
 template <int F>
 HIPKV_HD float code1(const uint8_t *row, uint32_t c) {
     if constexpr (F == HIPKV_F16) {
         return load_f16(row + 2 * c);
     } else if constexpr (F == HIPKV_Q8) {
         return (float)(int8_t)row[c];
+    } else if constexpr (F == HIPKV_FP8) {
+        return fp8_to_float(row[c]);
     } else if constexpr (F == HIPKV_Q8_0) {
         return (float)(int8_t)row[(c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES + 2 +
                                   c % HIPKV_Q8_0_BLOCK];
@@ -173,7 +241,7 @@ HIPKV_HD float q8_0_scale(const uint8_t *row, uint32_t c) {
     return load_f16(row + (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES);
 }
 
-// Parameters of one element, `x = min + scale · code` (min = 0 for f16/q8/q8_0, scale = 1
+// Parameters of one element, `x = min + scale · code` (min = 0 for f16/q8/q8_0/fp8, scale = 1
 // for f16). `params` is the stream's parameter section of the page, `t` the token within the
 // page, `group` the channels per group of per-token formats.
 template <int F>
@@ -181,7 +249,7 @@ HIPKV_HD void element_params(const uint8_t *row, const uint8_t *params, uint32_t
                              uint32_t head_dim, uint32_t group, float *scale, float *min) {
     *min = 0.0f;
     *scale = 1.0f;
-    if constexpr (F == HIPKV_Q8) {
+    if constexpr (F == HIPKV_Q8 || F == HIPKV_FP8) {
         *scale = load_f16(params + 2 * t);
     } else if constexpr (F == HIPKV_Q8_0) {
         *scale = q8_0_scale(row, c);
@@ -205,7 +273,7 @@ HIPKV_HD float dequant1(const uint8_t *row, const uint8_t *params, uint32_t t, u
     element_params<F>(row, params, t, c, head_dim, group, &scale, &min);
     float code = code1<F>(row, c);
     if constexpr (F == HIPKV_F16) return code;
-    if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) return scale * code;
+    if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0 || F == HIPKV_FP8) return scale * code;
     if (levels != nullptr) code = levels[(uint32_t)code];
     return min + scale * code;
 }

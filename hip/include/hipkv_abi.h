@@ -20,6 +20,7 @@ enum hipkv_format {
     HIPKV_Q2_TOK = 4,
     HIPKV_Q4_CHAN = 5,
     HIPKV_Q2_CHAN = 6,
+    HIPKV_FP8 = 7,
 };
 
 // Query heads per KV head the attention kernels handle at most.

@@ -11,6 +11,7 @@ pub const HIPKV_Q4_TOK: hipkv_format = 3;
 pub const HIPKV_Q2_TOK: hipkv_format = 4;
 pub const HIPKV_Q4_CHAN: hipkv_format = 5;
 pub const HIPKV_Q2_CHAN: hipkv_format = 6;
+pub const HIPKV_FP8: hipkv_format = 7;
 pub type hipkv_format = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

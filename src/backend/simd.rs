@@ -55,6 +55,9 @@ pub(crate) trait Kernel: Copy {
     unsafe fn f16x8(self, p: *const u8) -> Self::V;
     /// Eight int8.
     unsafe fn i8x8(self, p: *const u8) -> Self::V;
+    /// Eight fp8 e4m3 codes (none a NaN code) times 2^-8: their bits moved into f16s
+    /// ([`crate::quant::e4m3_to_f32_scaled`]).
+    unsafe fn e4m3x8(self, p: *const u8) -> Self::V;
     /// Eight 4-bit codes, one from each of 8 bytes: the low nibbles (channels 0, 2, .., 14 of
     /// the 16 the bytes hold) or, with `high`, the high nibbles (channels 1, 3, .., 15).
     unsafe fn nib8(self, p: *const u8, high: bool) -> Self::V;
@@ -223,6 +226,13 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
+    unsafe fn e4m3x8(self, p: *const u8) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
+        b.map(crate::quant::e4m3_to_f32_scaled)
+    }
+
+    #[inline(always)]
     unsafe fn nib8(self, p: *const u8, high: bool) -> [f32; 8] {
         // SAFETY: the caller guarantees 8 readable bytes.
         let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
@@ -363,6 +373,17 @@ mod avx2 {
             unsafe {
                 let b = _mm_loadl_epi64(p.cast());
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn e4m3x8(self, p: *const u8) -> __m256 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes.
+            unsafe {
+                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()));
+                let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
+                let magnitude = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7f)));
+                _mm256_cvtph_ps(_mm_or_si128(sign, magnitude))
             }
         }
 
@@ -529,6 +550,7 @@ mod tests {
                 .flat_map(|x| f16::from_f32(*x).to_le_bytes())
                 .collect();
             let bytes = [0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a];
+            let fp8 = [0x10u8, 0xf2, 0x7e, 0x80, 0x01, 0xfe, 0x00, 0x5a];
             let table = k.crumb_table(0.5, -1.0);
             let levels: [f32; 16] = std::array::from_fn(|i| (i * i) as f32 * 0.0625);
             let mut out = Vec::new();
@@ -568,6 +590,9 @@ mod tests {
             ];
             k.exp2_in_place(&mut e);
             out.extend(e);
+            // SAFETY: `fp8` holds 8 bytes.
+            k.store(unsafe { k.e4m3x8(fp8.as_ptr()) }, &mut buf);
+            out.extend(buf);
             out
         }
     }
@@ -610,6 +635,12 @@ mod tests {
         .map(|&c| 0.5 * c as f32 - 1.0)
         .collect();
         assert_eq!(&portable[64..96], &crumbs[..]);
+        // fp8 codes, each its e4m3 value times 2^-8.
+        let fp8: Vec<f32> = [0x10u8, 0xf2, 0x7e, 0x80, 0x01, 0xfe, 0x00, 0x5a]
+            .iter()
+            .map(|&c| crate::quant::e4m3_to_f32(c) / 256.0)
+            .collect();
+        assert_eq!(&portable[portable.len() - 8..], &fp8[..]);
     }
 
     /// `(max_of, exp2_shifted_sum, the shifted values)` of some scores.

@@ -8,10 +8,12 @@
 //! 0 and dequantizes exactly to its minimum; an all-zero group of a symmetric format gets scale 0.
 
 mod codebook;
+mod fp8;
 mod outliers;
 mod rotation;
 
 pub use codebook::{Codebook, MAX_LEVELS};
+pub use fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32, e4m3_to_f32_scaled};
 pub use outliers::{Outlier, OutlierThresholds, split_outliers};
 pub use rotation::{hadamard, hadamard_exact, hadamard_rows, hadamard_scale, hadamard_scale_f64};
 
@@ -76,6 +78,21 @@ fn sym_scale(xs: &[f32]) -> f32 {
     f16::from_f32(amax / 127.0).to_f32()
 }
 
+/// The fp8 scale of a row: `max|x| / 448`, rounded to f16.
+fn fp8_scale(xs: &[f32]) -> f32 {
+    let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    f16::from_f32(amax / E4M3_MAX).to_f32()
+}
+
+/// The e4m3 code of `x` in a row of `scale` (0 when the scale is).
+#[inline(always)]
+fn fp8_code(x: f32, scale: f32) -> u8 {
+    if scale == 0.0 {
+        return 0;
+    }
+    e4m3_from_f32(x / scale)
+}
+
 /// Packs low-bit codes, element `j` at bit `bits * (j % codes_per_byte)` of byte
 /// `j / codes_per_byte` (low nibble first).
 pub fn pack_codes(codes: &[u8], bits: LowBits, out: &mut [u8]) {
@@ -102,7 +119,7 @@ pub fn unpack_codes(row: &[u8], bits: LowBits, out: &mut [u8]) {
     }
 }
 
-/// Quantizes one token of one head in a per-token format (`F16`, `Q8`, `Q8_0`, `Tok`).
+/// Quantizes one token of one head in a per-token format (`F16`, `Q8`, `Q8_0`, `Fp8`, `Tok`).
 ///
 /// `row` receives `format.row_bytes(x.len())` bytes; `params` this token's parameters
 /// (`params_bytes(1, head_dim)` bytes). `book`: the stream's codebook (`Tok` formats of `nuq`
@@ -126,6 +143,13 @@ pub fn quantize_row(
             put_f16(params, 0, f16::from_f32(scale));
             for (r, &v) in row.iter_mut().zip(x) {
                 *r = sym_code(v, scale) as u8;
+            }
+        }
+        Format::Fp8 => {
+            let scale = fp8_scale(x);
+            put_f16(params, 0, f16::from_f32(scale));
+            for (r, &v) in row.iter_mut().zip(x) {
+                *r = fp8_code(v, scale);
             }
         }
         Format::Q8_0 => {
@@ -178,6 +202,12 @@ pub fn dequantize_row(
             let scale = get_f16(params, 0);
             for (o, &r) in out.iter_mut().zip(row) {
                 *o = scale * f32::from(r as i8);
+            }
+        }
+        Format::Fp8 => {
+            let scale = get_f16(params, 0);
+            for (o, &r) in out.iter_mut().zip(row) {
+                *o = scale * e4m3_to_f32(r);
             }
         }
         Format::Q8_0 => {
@@ -290,7 +320,7 @@ pub fn normalized_codes(
                 }
             }
         }
-        Format::F16 | Format::Q8 | Format::Q8_0 => {}
+        Format::F16 | Format::Q8 | Format::Q8_0 | Format::Fp8 => {}
     }
 }
 

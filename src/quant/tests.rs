@@ -48,9 +48,9 @@ fn tok(bits: LowBits, group: ChannelGroup) -> Format {
     Format::Tok { bits, group }
 }
 
-/// Every per-token format: q8, q8_0 and q4/q2 over channel groups 32/64/128/head.
+/// Every per-token format: q8, q8_0, fp8 and q4/q2 over channel groups 32/64/128/head.
 fn per_token_formats() -> Vec<Format> {
-    let mut f = vec![Format::F16, Format::Q8, Format::Q8_0];
+    let mut f = vec![Format::F16, Format::Q8, Format::Q8_0, Format::Fp8];
     for bits in [LowBits::Four, LowBits::Two] {
         for group in [
             ChannelGroup::Channels(32),
@@ -182,6 +182,44 @@ fn check_sym_group(xs: &[f32], codes: &[u8], deq: &[f32], s: f32, what: &str) {
     }
 }
 
+/// Checks one fp8 row: the scale (`max|x|/448` rounded to f16), no NaN code, the nearest code,
+/// the dequantization formula and the error bound: with `t = x/s`, rounding moves `t` by at
+/// most half a step, `|t|·2^-4` for normal values and `2^-10` below `2^-6`; a scale rounded
+/// down clamps `|t|` at 448, losing at most `448·(s* − s)`.
+fn check_fp8_row(xs: &[f32], codes: &[u8], deq: &[f32], s: f32, what: &str) {
+    let amax = xs.iter().fold(0f64, |a, &x| a.max(f64::from(x).abs()));
+    let exact = amax / f64::from(E4M3_MAX);
+    check_scale(s, exact, what);
+    let s64 = f64::from(s);
+    let clamp = f64::from(E4M3_MAX) * (exact - s64).max(0.0);
+    for (j, ((&x, &c), &y)) in xs.iter().zip(codes).zip(deq).enumerate() {
+        let x = f64::from(x);
+        assert!(c & 0x7f != 0x7f, "{what}[{j}]: NaN code {c:#04x}");
+        assert_eq!(y, s * e4m3_to_f32(c), "{what}[{j}]: dequantization");
+        if s == 0.0 {
+            assert_eq!(c, 0, "{what}[{j}]: zero scale, code {c:#04x}");
+            continue;
+        }
+        // The neighbouring codes of the same sign are no nearer.
+        let e = |c: u8| (x - s64 * f64::from(e4m3_to_f32(c))).abs();
+        for other in [c.wrapping_sub(1), c + 1] {
+            if other & 0x7f != 0x7f && (other & 0x80) == (c & 0x80) {
+                assert!(
+                    e(c) <= e(other) + x.abs() * 2.0 * U32,
+                    "{what}[{j}]: x={x} code {c:#04x} is not the nearest (s={s})"
+                );
+            }
+        }
+        let step = (x.abs() * 2f64.powi(-4)).max(s64 * 2f64.powi(-10));
+        let bound = step + clamp + x.abs() * 2.0 * U32 + f64::from(y).abs() * U32;
+        let err = (x - f64::from(y)).abs();
+        assert!(
+            err <= bound,
+            "{what}[{j}]: x={x} → {y}, error {err} > bound {bound} (s={s}, amax {amax})"
+        );
+    }
+}
+
 /// Quantizes `x` (one token of one head) in a per-token format and checks everything the format
 /// promises: only its bytes are written, the layout, the codes and the error bound.
 fn check_row(format: Format, x: &[f32], book: Option<&Codebook>) {
@@ -210,6 +248,7 @@ fn check_row(format: Format, x: &[f32], book: Option<&Codebook>) {
             }
         }
         Format::Q8 => check_sym_group(x, row, &deq, get_f16(params, 0), &what),
+        Format::Fp8 => check_fp8_row(x, row, &deq, get_f16(params, 0), &what),
         Format::Q8_0 => {
             for (b, ((block, xs), ys)) in row
                 .chunks_exact(Q8_0_BLOCK_BYTES)

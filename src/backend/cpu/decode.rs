@@ -29,6 +29,14 @@ macro_rules! with_rows {
                 };
                 $body
             }
+            Format::Fp8 => {
+                assert!($buf.len() >= $n);
+                let $rows = Fp8Rows {
+                    packed,
+                    scales: &$buf,
+                };
+                $body
+            }
             Format::Q8_0 => {
                 let blocks = d / Q8_0_BLOCK;
                 assert!($buf.len() >= $n * blocks);
@@ -131,7 +139,7 @@ impl Order {
                 bits: LowBits::Two, ..
             }
             | Format::Chan { bits: LowBits::Two } => Order::Crumbs,
-            Format::F16 | Format::Q8 | Format::Q8_0 => Order::Natural,
+            Format::F16 | Format::Q8 | Format::Q8_0 | Format::Fp8 => Order::Natural,
         }
     }
 
@@ -274,6 +282,29 @@ impl Rows for Q8Rows<'_> {
             k.mul(
                 k.i8x8(self.packed.at(t, c0 + 8 * j)),
                 k.splat(*self.scales.get_unchecked(t)),
+            )
+        }
+    }
+}
+
+/// `fp8`: `scale[t] · e4m3`, the codes converted through f16 (`Kernel::e4m3x8`: the value
+/// times 2^-8, the 2^8 multiplied into the scale, exactly).
+pub(super) struct Fp8Rows<'a> {
+    pub(super) packed: Packed<'a>,
+    pub(super) scales: &'a [f32],
+}
+
+impl Rows for Fp8Rows<'_> {
+    const CHUNK: usize = 8;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        // SAFETY: an fp8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside
+        // it; `scales` holds one per token (checked where built).
+        unsafe {
+            k.mul(
+                k.e4m3x8(self.packed.at(t, c0 + 8 * j)),
+                k.splat(*self.scales.get_unchecked(t) * 256.0),
             )
         }
     }
@@ -443,7 +474,7 @@ impl StreamBlock<'_> {
         out.clear();
         match self.format {
             Format::F16 => {}
-            Format::Q8 | Format::Tok { .. } => {
+            Format::Q8 | Format::Fp8 | Format::Tok { .. } => {
                 let bytes = n * self.format.params_bytes(1, d);
                 out.resize(bytes / 2, 0.0);
                 k.f16_to_f32(&self.params[..bytes], out);

@@ -136,7 +136,7 @@ fn restore_sigpipe() {
 }
 
 /// What `hipkv eval` measures when no schemes are given.
-const EVAL_SCHEMES: &str = "f16;q8;q8_0;q4_tok;q4_tok,outliers;kivi4;kivi4,outliers;\
+const EVAL_SCHEMES: &str = "f16;q8;q8_0;fp8;q4_tok;q4_tok,outliers;kivi4;kivi4,outliers;\
     kivi4,pre_rope;kivi4,pre_rope,outliers;q2_tok;kivi2;kivi2,outliers;kivi2,pre_rope;\
     kivi2,pre_rope,outliers;kivi2,nuq";
 
