@@ -969,3 +969,66 @@ fn split_outliers_capacity_policy_by_hand() {
     assert_eq!(split_outliers(&mut dense, &lo, &hi, 0), (vec![], 4));
     assert_eq!(dense, x, "no slot: the row as it was");
 }
+
+/// `normalized_codes` groups the samples as the quantizers group them: rounded and clamped,
+/// its values are the codes `quantize_row` and `quantize_chan` store, in its order (per token
+/// and group; per page, channel and token), a last partial page included.
+#[test]
+fn normalized_codes_are_the_stored_codes_before_rounding() {
+    let mut rng = crate::synth::Rng::new(23);
+    let d = 128;
+    let round = |u: f32, bits: LowBits| u.round().clamp(0.0, f32::from(bits.max_code())) as u8;
+    for format in [
+        tok(LowBits::Four, ChannelGroup::Channels(32)),
+        tok(LowBits::Two, ChannelGroup::Channels(64)),
+        tok(LowBits::Four, ChannelGroup::Head),
+    ] {
+        let Format::Tok { bits, .. } = format else {
+            unreachable!()
+        };
+        let tokens = 5;
+        let x = rng.normals(tokens * d);
+        let mut u = Vec::new();
+        normalized_codes(format, &x, d, 32, &mut u);
+        assert_eq!(u.len(), tokens * d, "{format}");
+        let (rb, pb) = (format.row_bytes(d), format.params_bytes(1, d));
+        let (mut row, mut params, mut codes) = (vec![0u8; rb], vec![0u8; pb], vec![0u8; d]);
+        for t in 0..tokens {
+            quantize_row(format, &x[t * d..(t + 1) * d], &mut row, &mut params, None);
+            unpack_codes(&row, bits, &mut codes);
+            for (c, &code) in codes.iter().enumerate() {
+                assert_eq!(
+                    code,
+                    round(u[t * d + c], bits),
+                    "{format} token {t} channel {c}"
+                );
+            }
+        }
+    }
+    for bits in [LowBits::Four, LowBits::Two] {
+        let (tokens, page) = (40, 32);
+        let x = rng.normals(tokens * d);
+        let mut u = Vec::new();
+        normalized_codes(Format::Chan { bits }, &x, d, page, &mut u);
+        assert_eq!(u.len(), tokens * d);
+        let mut at = 0;
+        for (p, xs) in x.chunks(page * d).enumerate() {
+            let n = xs.len() / d;
+            let rb = Format::Chan { bits }.row_bytes(d);
+            let mut rows = vec![0u8; n * rb];
+            let mut params = vec![0u8; 4 * d];
+            quantize_chan(bits, xs, d, &mut rows, &mut params, None);
+            for c in 0..d {
+                for t in 0..n {
+                    let code = code_at(&rows[t * rb..(t + 1) * rb], bits, c);
+                    assert_eq!(
+                        code,
+                        round(u[at], bits),
+                        "q{bits:?} page {p} channel {c} token {t}"
+                    );
+                    at += 1;
+                }
+            }
+        }
+    }
+}
