@@ -787,24 +787,10 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     HIPKV_ATTN_KERNEL(hipkv_attn_##KN##_##VN##_d##D, hipkv_attn_params) {               \
         hipkv::attention<KF, VF, D>(p);                                                 \
     }
-#define HIPKV_ATTN_V(KN, KF, D)                      \
-    HIPKV_ATTN(KN, KF, f16, HIPKV_F16, D)            \
-    HIPKV_ATTN(KN, KF, q8, HIPKV_Q8, D)              \
-    HIPKV_ATTN(KN, KF, q8_0, HIPKV_Q8_0, D)          \
-    HIPKV_ATTN(KN, KF, fp8, HIPKV_FP8, D)            \
-    HIPKV_ATTN(KN, KF, q4_tok, HIPKV_Q4_TOK, D)      \
-    HIPKV_ATTN(KN, KF, q2_tok, HIPKV_Q2_TOK, D)      \
-    HIPKV_ATTN(KN, KF, q4_chan, HIPKV_Q4_CHAN, D)    \
-    HIPKV_ATTN(KN, KF, q2_chan, HIPKV_Q2_CHAN, D)
-#define HIPKV_ATTN_KV(D)                             \
-    HIPKV_ATTN_V(f16, HIPKV_F16, D)                  \
-    HIPKV_ATTN_V(q8, HIPKV_Q8, D)                    \
-    HIPKV_ATTN_V(q8_0, HIPKV_Q8_0, D)                \
-    HIPKV_ATTN_V(fp8, HIPKV_FP8, D)                  \
-    HIPKV_ATTN_V(q4_tok, HIPKV_Q4_TOK, D)            \
-    HIPKV_ATTN_V(q2_tok, HIPKV_Q2_TOK, D)            \
-    HIPKV_ATTN_V(q4_chan, HIPKV_Q4_CHAN, D)          \
-    HIPKV_ATTN_V(q2_chan, HIPKV_Q2_CHAN, D)
+// Every key format × value format at head_dim D (`HIPKV_FORMATS`).
+#define HIPKV_ATTN_PAIR(VN, VF, KN, KF, D) HIPKV_ATTN(KN, KF, VN, VF, D)
+#define HIPKV_ATTN_K(KN, KF, D) HIPKV_DEFER(HIPKV_FORMATS_AGAIN)()(HIPKV_ATTN_PAIR, KN, KF, D)
+#define HIPKV_ATTN_KV(D) HIPKV_EXPAND(HIPKV_FORMATS(HIPKV_ATTN_K, D))
 
 // build.rs compiles one code object per head_dim (HIPKV_HEAD_DIM), in parallel; the emulator
 // likewise.

@@ -518,14 +518,7 @@ HIPKV_KERNEL(hipkv_copy_blocks, hipkv_copy_params) {
         hipkv::write<F, D>(p);                                          \
     }
 #define HIPKV_WRITE_ALL(D)                                              \
-    HIPKV_WRITE(f16, HIPKV_F16, D)                                      \
-    HIPKV_WRITE(q8, HIPKV_Q8, D)                                        \
-    HIPKV_WRITE(q8_0, HIPKV_Q8_0, D)                                    \
-    HIPKV_WRITE(fp8, HIPKV_FP8, D)                                      \
-    HIPKV_WRITE(q4_tok, HIPKV_Q4_TOK, D)                                \
-    HIPKV_WRITE(q2_tok, HIPKV_Q2_TOK, D)                                \
-    HIPKV_WRITE(q4_chan, HIPKV_Q4_CHAN, D)                              \
-    HIPKV_WRITE(q2_chan, HIPKV_Q2_CHAN, D)                              \
+    HIPKV_FORMATS(HIPKV_WRITE, D)                                       \
     HIPKV_KERNEL(hipkv_write_residual_d##D, hipkv_write_params) {       \
         hipkv::write_residual<D>(p);                                    \
     }

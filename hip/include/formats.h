@@ -18,6 +18,26 @@
 
 namespace hipkv {
 
+// Every storage format the kernels are built for, once, as X(name, enum, ...): the instance
+// lists of attention.hip and write.hip are made from it. `scheme::KERNEL_FORMATS` names the
+// same formats; tests/resources.rs checks that the built kernels are exactly its pairs.
+#define HIPKV_FORMATS(X, ...)           \
+    X(f16, HIPKV_F16, __VA_ARGS__)      \
+    X(q8, HIPKV_Q8, __VA_ARGS__)        \
+    X(q8_0, HIPKV_Q8_0, __VA_ARGS__)    \
+    X(q4_tok, HIPKV_Q4_TOK, __VA_ARGS__) \
+    X(q2_tok, HIPKV_Q2_TOK, __VA_ARGS__) \
+    X(q4_chan, HIPKV_Q4_CHAN, __VA_ARGS__) \
+    X(q2_chan, HIPKV_Q2_CHAN, __VA_ARGS__) \
+    X(fp8, HIPKV_FP8, __VA_ARGS__)
+
+// The list expanded again inside its own expansion (format pairs): a macro cannot expand within
+// itself, so the inner use is deferred (`HIPKV_DEFER`) until an outer `HIPKV_EXPAND` rescans.
+#define HIPKV_EMPTY()
+#define HIPKV_DEFER(m) m HIPKV_EMPTY()
+#define HIPKV_EXPAND(...) __VA_ARGS__
+#define HIPKV_FORMATS_AGAIN() HIPKV_FORMATS
+
 // Bytes of one q8_0 block and channels in it.
 #define HIPKV_Q8_0_BLOCK 32
 #define HIPKV_Q8_0_BLOCK_BYTES 34
@@ -57,7 +77,7 @@ HIPKV_HD uint32_t float_to_fp8_soft(float x) {
 
 HIPKV_HD uint32_t float_to_fp8(float x) {
 #if defined(__HIP_DEVICE_COMPILE__) && defined(__GFX12__)
-    // Clamped first: the conversion's own overflow gives NaN.
+    // Clamped first, so the code never depends on what the conversion does past ±448.
     const float c = fminf(fmaxf(x, -HIPKV_FP8_MAX), HIPKV_FP8_MAX);
     return (uint32_t)__builtin_amdgcn_cvt_pk_fp8_f32(c, c, 0, false) & 0xffu;
 #else
@@ -161,13 +181,13 @@ struct Midpoints {
     }
 };
 
-// Channels in 16 bytes of a row (f16 8, q8 16, q4 32, q2 64); not for q8_0, whose 34-byte
-// blocks leave rows unaligned.
+// Channels in 16 bytes of a row (f16 8, q8 and fp8 16, q4 32, q2 64); not for q8_0, whose
+// 34-byte blocks leave rows unaligned.
 template <int F>
 constexpr uint32_t kChunkChannels = 128 / format_bits(F);
 
 // The raw codes of channels 8j..8j+8 of a 16-byte chunk of a row already in registers, as
-// `codes8` reads them from memory (f16: the values).
+// `codes8` reads them from memory (f16, fp8: the values).
 template <int F>
 HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
     static_assert(F != HIPKV_Q8_0, "q8_0 rows are not 16-byte aligned");
