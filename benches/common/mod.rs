@@ -6,12 +6,12 @@ pub const KV_HEADS: usize = 8;
 pub const GQA: usize = 4;
 pub const HEAD_DIM: usize = 128;
 
-/// Every preset, then the two options that change what attention reads.
+/// Every preset, then the options that change what attention reads or how it decodes.
 pub fn schemes() -> Vec<Scheme> {
     hipkv::scheme::PRESETS
         .iter()
         .copied()
-        .chain(["kivi2,outliers", "kivi2,pre_rope"])
+        .chain(["kivi2,outliers", "kivi2,pre_rope", "kivi2,nuq"])
         .map(|s| s.parse().expect("known scheme"))
         .collect()
 }
