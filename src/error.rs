@@ -69,11 +69,19 @@ pub enum Error {
         lo: f32,
         hi: f32,
     },
-    #[error("layer {layer} has no outlier thresholds: call calibrate_outliers first")]
+    #[error(
+        "layer {layer} has no outlier thresholds: calibrate them (KvCache::calibrate), set them \
+         (set_outlier_thresholds, hipkv_set_outlier_thresholds) or apply a calibration file \
+         (apply_calibration, hipkv_apply_calibration) first"
+    )]
     OutliersNotCalibrated { layer: usize },
     #[error("codebook of {bits}-bit codes: {problem}")]
     InvalidCodebook { bits: usize, problem: &'static str },
-    #[error("layer {layer} has no codebooks: call calibrate_codebooks first")]
+    #[error(
+        "layer {layer} has no codebooks: calibrate them (KvCache::calibrate), set them \
+         (set_codebooks, hipkv_set_codebooks) or apply a calibration file (apply_calibration, \
+         hipkv_apply_calibration) first"
+    )]
     CodebooksNotCalibrated { layer: usize },
     #[error("calibration file, line {line}: {problem}")]
     BadCalibration { line: usize, problem: &'static str },
