@@ -271,7 +271,12 @@ fn bench_batch_times_a_mixed_batch_through_the_paged_api() {
 /// The eval model (`scripts/fetch-model.sh`); `None`, said on stderr, where it is missing,
 /// unless `HIPKV_REQUIRE_MODEL=1` makes that a failure.
 fn eval_model() -> Option<std::path::PathBuf> {
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(hipkv::eval::DEFAULT_MODEL);
+    model_file(hipkv::eval::DEFAULT_MODEL)
+}
+
+/// A model file under the repository root, as [`eval_model`].
+fn model_file(path: &str) -> Option<std::path::PathBuf> {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
     if !model.exists() {
         assert_ne!(
             std::env::var("HIPKV_REQUIRE_MODEL").as_deref(),
@@ -283,6 +288,39 @@ fn eval_model() -> Option<std::path::PathBuf> {
         return None;
     }
     Some(model)
+}
+
+/// Gemma-3 (`scripts/fetch-model.sh gemma3`) is evaluated within its sliding window: by default
+/// 512 tokens, and a longer `--tokens` is refused with the reason.
+#[test]
+fn eval_runs_gemma3_within_its_sliding_window() {
+    let Some(model) = model_file(hipkv::eval::GEMMA3_MODEL) else {
+        return;
+    };
+    let model = model.to_str().unwrap();
+    let out = hipkv(&[
+        "eval",
+        "--model",
+        model,
+        "--tokens",
+        "600",
+        "--schemes",
+        "q8",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("sliding window of 512"), "{err}");
+    let out = hipkv(&["eval", "--model", model, "--schemes", "q8", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["tokens"], 512);
+    assert_eq!(report["head_dim"], 256);
+    let kl = report["schemes"][0]["mean_kl"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 0.02, "q8 mean KL {kl}");
 }
 
 /// `hipkv eval --save` then `hipkv info --model --eval`: per scheme, the KV bytes of the model,

@@ -1,39 +1,59 @@
-//! `hipkv eval` on the real model (SmolLM2-135M-Instruct, Q4_1 GGUF, fetched by
-//! `scripts/fetch-model.sh`): the forward pass, the tokenizer, and the accuracy ordering of the
-//! schemes on a short text. Without the model file the tests are skipped, unless
-//! `HIPKV_REQUIRE_MODEL=1` (set by `.ci/run`), which makes that a failure. `HIPKV_MODEL` names
-//! another copy of the file.
+//! `hipkv eval` on the real models (SmolLM2-135M-Instruct, Q4_1 GGUF, fetched by
+//! `scripts/fetch-model.sh`; Gemma-3 270M, Q4_K_M GGUF, by `scripts/fetch-model.sh gemma3`): the
+//! forward passes, the tokenizers, and the accuracy ordering of the schemes on a short text.
+//! Without a model file its tests are skipped, unless `HIPKV_REQUIRE_MODEL=1` (set by
+//! `.ci/run`), which makes that a failure. `HIPKV_MODEL` and `HIPKV_GEMMA3_MODEL` name other
+//! copies of the files.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use hipkv::eval::{self, Attention, CacheAttention, DenseAttention, EvalError, Model, Tokenizer};
+use hipkv::eval::{
+    self, Architecture, Attention, CacheAttention, DenseAttention, EvalError, Model, Tokenizer,
+};
 
-fn model_path() -> PathBuf {
-    std::env::var_os("HIPKV_MODEL").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(eval::DEFAULT_MODEL),
+/// `$env`, or else `default` under the repository root.
+fn model_path(env: &str, default: &str) -> PathBuf {
+    std::env::var_os(env).map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(default),
         PathBuf::from,
     )
 }
 
-/// The model, loaded once for every test of this file; `None` (skip) when it is missing and
-/// not required.
+/// A model, loaded once for every test of this file; `None` (skip) when it is missing and not
+/// required.
+fn load(
+    slot: &'static OnceLock<Option<(Model, Tokenizer)>>,
+    path: PathBuf,
+) -> Option<&'static (Model, Tokenizer)> {
+    slot.get_or_init(|| match Model::load(&path) {
+        Ok(m) => Some(m),
+        Err(e @ EvalError::ModelMissing { .. })
+            if std::env::var("HIPKV_REQUIRE_MODEL").as_deref() != Ok("1") =>
+        {
+            eprintln!("skipped: {e}");
+            None
+        }
+        Err(e) => {
+            panic!(
+                "cannot load {} (HIPKV_REQUIRE_MODEL=1 makes it required): {e}",
+                path.display()
+            )
+        }
+    })
+    .as_ref()
+}
+
+/// SmolLM2 (`HIPKV_MODEL` names another copy).
 fn model() -> Option<&'static (Model, Tokenizer)> {
     static MODEL: OnceLock<Option<(Model, Tokenizer)>> = OnceLock::new();
-    MODEL
-        .get_or_init(|| match Model::load(&model_path()) {
-            Ok(m) => Some(m),
-            Err(e @ EvalError::ModelMissing { .. })
-                if std::env::var("HIPKV_REQUIRE_MODEL").as_deref() != Ok("1") =>
-            {
-                eprintln!("skipped: {e}");
-                None
-            }
-            Err(e) => {
-                panic!("cannot load the model (HIPKV_REQUIRE_MODEL=1 makes this required): {e}")
-            }
-        })
-        .as_ref()
+    load(&MODEL, model_path("HIPKV_MODEL", eval::DEFAULT_MODEL))
+}
+
+/// Gemma-3 270M (`scripts/fetch-model.sh gemma3`; `HIPKV_GEMMA3_MODEL` names another copy).
+fn gemma3() -> Option<&'static (Model, Tokenizer)> {
+    static MODEL: OnceLock<Option<(Model, Tokenizer)>> = OnceLock::new();
+    load(&MODEL, model_path("HIPKV_GEMMA3_MODEL", eval::GEMMA3_MODEL))
 }
 
 /// Softmax probability and id of the most likely token after the last position.
@@ -211,4 +231,142 @@ fn inspect_reads_the_kv_shape_of_any_architecture() {
     for path in [gemma, plain, missing] {
         std::fs::remove_file(path).unwrap();
     }
+}
+
+#[test]
+fn gemma3_reads_its_shape_and_layer_pattern() {
+    let Some((model, tok)) = gemma3() else { return };
+    let cfg = *model.config();
+    assert_eq!(cfg.architecture, Architecture::Gemma3);
+    assert_eq!(
+        (
+            cfg.layers,
+            cfg.q_heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.vocab
+        ),
+        (18, 4, 1, 256, 262_144)
+    );
+    assert_eq!(
+        (cfg.sliding_window, cfg.rope_base),
+        (Some(512), 1_000_000.0)
+    );
+    let global: Vec<usize> = (0..cfg.layers)
+        .filter(|&l| cfg.window(l).is_none())
+        .collect();
+    assert_eq!(global, [5, 11, 17]);
+    let bases: Vec<f32> = [0, 5].map(|l| cfg.layer_rope(l).base).to_vec();
+    assert_eq!(bases, [10_000.0, 1_000_000.0]);
+    assert_eq!(cfg.full_attention_context(), 512);
+    assert_eq!(tok.vocab_size(), 262_144);
+}
+
+/// The 270M base model is unsure of France alone (" the" 0.19, " Paris" 0.08), but with one
+/// example it names Berlin.
+#[test]
+fn gemma3_the_capital_of_germany_is_berlin() {
+    let Some((model, tok)) = gemma3() else { return };
+    let cfg = *model.config();
+    let ids = tok
+        .encode("The capital of France is Paris. The capital of Germany is")
+        .unwrap();
+    assert_eq!(ids[0], 2, "Gemma's text starts with <bos>: {ids:?}");
+    let berlin = tok.encode(" Berlin").unwrap();
+    assert_eq!(berlin.len(), 2, "<bos> and \" Berlin\": {berlin:?}");
+
+    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 64).unwrap();
+    let (id, p) = top(&model.forward(&ids, &mut cache).unwrap(), cfg.vocab);
+    eprintln!("f16 cache: {:?} p = {p:.4}", tok.decode(&[id]).unwrap());
+    assert_eq!(id, berlin[1], "top token {:?}", tok.decode(&[id]).unwrap());
+    assert!(
+        (0.78..0.88).contains(&p),
+        "p(\" Berlin\") = {p}, expected about 0.83"
+    );
+
+    // The same with plain f32 attention in two chunks.
+    let mut dense = DenseAttention::new(&cfg, 64);
+    model.forward(&ids[..3], &mut dense).unwrap();
+    let (id2, p2) = top(&model.forward(&ids[3..], &mut dense).unwrap(), cfg.vocab);
+    eprintln!("dense f32 attention: p = {p2:.4}");
+    assert_eq!(id2, id);
+    assert!((p - p2).abs() < 0.01, "f16 cache {p} vs dense {p2}");
+}
+
+#[test]
+fn gemma3_tokenizer_round_trips_the_corpus() {
+    let Some((_, tok)) = gemma3() else { return };
+    let ids = tok.encode(eval::CORPUS).unwrap();
+    assert!(ids.len() >= 4096, "corpus has {} tokens", ids.len());
+    assert_eq!(tok.decode(&ids).unwrap(), eval::CORPUS);
+    // A character outside the vocabulary is spelled in bytes and decodes back.
+    let odd = "\u{10FFFD}";
+    let ids = tok.encode(odd).unwrap();
+    assert_eq!(ids.len(), 1 + odd.len(), "{ids:?}");
+    assert_eq!(tok.decode(&ids).unwrap(), odd);
+}
+
+/// Within the sliding window the cache (f16) and dense f32 attention agree over chunks, RoPE of
+/// both kinds of layer included; past it the cache refuses to run, since it has no window mask.
+#[test]
+fn gemma3_chunked_prefill_matches_dense_attention_within_the_window() {
+    let Some((model, tok)) = gemma3() else { return };
+    let cfg = *model.config();
+    let ids = &tok.encode(eval::CORPUS).unwrap()[..96];
+    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 96).unwrap();
+    let mut dense = DenseAttention::new(&cfg, 96);
+    let run = |a: &mut dyn Attention| -> Vec<f32> {
+        ids.chunks(40)
+            .flat_map(|c| model.forward(c, a).unwrap())
+            .collect()
+    };
+    let (x, y) = (run(&mut cache), run(&mut dense));
+    let worst = x
+        .iter()
+        .zip(&y)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(worst < 0.25, "largest logit difference {worst}");
+    assert!(matches!(
+        CacheAttention::new(&cfg, "f16".parse().unwrap(), 513),
+        Err(EvalError::BeyondWindow {
+            tokens: 513,
+            window: 512
+        })
+    ));
+}
+
+/// The eval ranks schemes at head_dim 256 as at 64: q8 near the baseline, per-channel keys
+/// (kivi) well ahead of per-token keys at 4 and 2 bits; a calibration file made by `calibrate`
+/// on this model (two caches, one per RoPE) round-trips through the eval.
+#[test]
+fn gemma3_schemes_rank_and_calibrations_apply() {
+    let Some((model, tok)) = gemma3() else { return };
+    let ids = &tok.encode(eval::CORPUS).unwrap()[..384];
+    let schemes = eval::parse_schemes("q8;q4_tok;kivi4;q2_tok;kivi2;kivi2,nuq").unwrap();
+    let calibration = eval::calibrate(model, &ids[..128], schemes[5]).unwrap();
+    assert_eq!(calibration.layers.len(), 18);
+    let text = calibration.to_text();
+    let parsed = hipkv::Calibration::parse(&text).unwrap();
+    let report = eval::evaluate(model, ids, &schemes, &[parsed], 128, &mut |_| {}).unwrap();
+    for s in &report.schemes {
+        eprintln!(
+            "{:<12} KL {:.3e} p99 {:.3e} top-1 {:.3} ΔNLL {:+.4}",
+            s.scheme, s.mean_kl, s.p99_kl, s.top1, s.delta_nll
+        );
+    }
+    assert_eq!(report.head_dim, 256);
+    let get = |name: &str| report.schemes.iter().find(|s| s.scheme == name).unwrap();
+    let q8 = get("q8");
+    assert!(q8.mean_kl < 0.02 && q8.top1 >= 0.9, "q8: {q8:?}");
+    let (q4, kivi4, q2, kivi2) = (get("q4_tok"), get("kivi4"), get("q2_tok"), get("kivi2"));
+    assert!(q8.mean_kl < kivi4.mean_kl, "q8 {q8:?} vs kivi4 {kivi4:?}");
+    assert!(
+        kivi4.mean_kl < q4.mean_kl,
+        "kivi4 {kivi4:?} vs q4_tok {q4:?}"
+    );
+    assert!(
+        kivi2.mean_kl < q2.mean_kl,
+        "kivi2 {kivi2:?} vs q2_tok {q2:?}"
+    );
 }

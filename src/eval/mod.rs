@@ -11,6 +11,7 @@
 mod fit;
 mod model;
 mod plot;
+mod spm;
 mod tokenizer;
 
 use std::path::PathBuf;
@@ -19,15 +20,19 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::{CacheConfig, Calibration, KvCache, Rope, RopeLayout, RopeTable, Scheme};
+use crate::{CacheConfig, Calibration, KvCache, Rope, RopeTable, Scheme};
 
 pub use fit::{Fit, KvShape, fit, parse_bytes};
-pub use model::{Attention, Model, ModelConfig, ModelSummary, inspect};
+pub use model::{Architecture, Attention, Model, ModelConfig, ModelSummary, inspect};
 pub use plot::{plot_depth, plot_pareto};
 pub use tokenizer::Tokenizer;
 
 /// Where `scripts/fetch-model.sh` puts the default model, relative to the repository root.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where `scripts/fetch-model.sh gemma3` puts Gemma-3 270M (Q4_K_M), relative to the repository
+/// root.
+pub const GEMMA3_MODEL: &str = "models/gemma-3-270m-q4_k_m.gguf";
 
 /// The default text: three chapters of the Python 3.11 tutorial (English prose with Python
 /// code), PSF License / Zero-Clause BSD; see `data/corpus/LICENSE.md`.
@@ -84,6 +89,10 @@ pub enum EvalError {
     TextTooShort { have: usize, want: usize },
     #[error("{tokens} tokens exceed the model's context of {context}")]
     BeyondContext { tokens: usize, context: usize },
+    #[error(
+        "{tokens} tokens exceed the model's sliding window of {window}: hipkv's attention has no window mask yet, so models with sliding-window layers are evaluated within the window (pass --tokens {window} or fewer)"
+    )]
+    BeyondWindow { tokens: usize, window: usize },
     #[error("{what} must be positive")]
     NotPositive { what: &'static str },
     #[error("no schemes to evaluate")]
@@ -112,53 +121,135 @@ pub(crate) fn metadata<'c>(content: &'c Content, key: &str) -> Result<&'c Value,
         })
 }
 
-/// The model's attention through a hipkv [`KvCache`] in one scheme: each chunk's keys and values
-/// are appended (the cache rotates keys by position, interleaved pairs as GGUF stores Q and K,
-/// and the queries likewise), then the chunk's queries attend causally over the stored tokens.
+/// The model's attention through hipkv [`KvCache`]s in one scheme: each chunk's keys and values
+/// are appended (the cache rotates keys by position as the model's RoPE says, and the queries
+/// likewise), then the chunk's queries attend causally over the stored tokens. Layers of one RoPE
+/// share a cache; a model whose layers differ in RoPE (Gemma-3's sliding-window and global
+/// layers) gets one cache per RoPE.
+///
+/// hipkv's attention has no sliding-window mask, so a model with sliding-window layers is only
+/// run as far as its window ([`ModelConfig::full_attention_context`]), where the mask changes
+/// nothing; a longer capacity is refused.
 ///
 /// Outlier thresholds (schemes with `outliers`) are calibrated per layer from that layer's keys
 /// (and values, for `outliers=kv`) of the first chunk, just before it is appended; so are the
 /// codebooks of `nuq` schemes, after the thresholds.
 pub struct CacheAttention {
-    cache: KvCache,
+    scheme: Scheme,
+    capacity: usize,
+    /// One cache per distinct RoPE of the model's layers.
+    caches: Vec<KvCache>,
+    /// Per model layer: its cache and its layer in that cache.
+    route: Vec<(usize, usize)>,
     calibrated: Vec<bool>,
     softmax_scale: f32,
 }
 
 impl CacheAttention {
-    /// A single-sequence cache for `capacity` tokens of `model` in `scheme`.
+    /// Single-sequence caches for `capacity` tokens of `model` in `scheme`.
     pub fn new(
         model: &ModelConfig,
         scheme: Scheme,
         capacity: usize,
     ) -> Result<CacheAttention, EvalError> {
-        let cache = KvCache::new(CacheConfig {
-            layers: model.layers,
-            sequences: 1,
-            kv_heads: model.kv_heads,
-            q_heads: model.q_heads,
-            head_dim: model.head_dim,
-            capacity,
-            scheme,
-            rope: Some(model_rope(model)),
-        })?;
+        if let Some(window) = model.sliding_window
+            && capacity > window
+        {
+            return Err(EvalError::BeyondWindow {
+                tokens: capacity,
+                window,
+            });
+        }
+        let mut ropes: Vec<Rope> = Vec::new();
+        let mut layers_of: Vec<usize> = Vec::new();
+        let route = (0..model.layers)
+            .map(|l| {
+                let rope = model.layer_rope(l);
+                let cache = match ropes.iter().position(|r| *r == rope) {
+                    Some(c) => c,
+                    None => {
+                        ropes.push(rope);
+                        layers_of.push(0);
+                        ropes.len() - 1
+                    }
+                };
+                layers_of[cache] += 1;
+                (cache, layers_of[cache] - 1)
+            })
+            .collect();
+        let caches = ropes
+            .iter()
+            .zip(&layers_of)
+            .map(|(&rope, &layers)| {
+                KvCache::new(CacheConfig {
+                    layers,
+                    sequences: 1,
+                    kv_heads: model.kv_heads,
+                    q_heads: model.q_heads,
+                    head_dim: model.head_dim,
+                    capacity,
+                    scheme,
+                    rope: Some(rope),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(CacheAttention {
-            cache,
+            scheme,
+            capacity,
+            caches,
+            route,
             calibrated: vec![false; model.layers],
-            softmax_scale: 1.0 / (model.head_dim as f32).sqrt(),
+            softmax_scale: model.softmax_scale(),
         })
-    }
-
-    pub fn cache(&self) -> &KvCache {
-        &self.cache
     }
 
     /// Uses `c` (a calibration file of this scheme) instead of calibrating each layer on its
     /// first chunk.
     pub fn apply_calibration(&mut self, c: &Calibration) -> Result<(), EvalError> {
-        self.cache.apply_calibration(c)?;
+        let cfg = self.caches[0].config();
+        c.check_fits(self.scheme, self.route.len(), cfg.kv_heads, cfg.head_dim)?;
+        for (i, cache) in self.caches.iter_mut().enumerate() {
+            let layers = self
+                .route
+                .iter()
+                .zip(&c.layers)
+                .filter(|((owner, _), _)| *owner == i)
+                .map(|(_, layer)| layer.clone())
+                .collect();
+            cache.apply_calibration(&Calibration {
+                layers,
+                ..c.clone()
+            })?;
+        }
         self.calibrated.iter_mut().for_each(|done| *done = true);
         Ok(())
+    }
+
+    /// The calibration of every layer so far, in the model's layer order.
+    pub fn calibration(&self) -> Calibration {
+        let per_cache: Vec<Calibration> = self.caches.iter().map(KvCache::calibration).collect();
+        Calibration {
+            layers: self
+                .route
+                .iter()
+                .map(|&(cache, layer)| per_cache[cache].layers[layer].clone())
+                .collect(),
+            ..per_cache[0].clone()
+        }
+    }
+
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
+    /// Tokens the caches hold at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Outliers that found no slot, over all layers ([`KvCache::outliers_dropped`]).
+    pub fn outliers_dropped(&self) -> u64 {
+        self.caches.iter().map(KvCache::outliers_dropped).sum()
     }
 }
 
@@ -177,15 +268,7 @@ pub fn calibrate(model: &Model, tokens: &[u32], scheme: Scheme) -> Result<Calibr
     }
     let mut attention = CacheAttention::new(&cfg, scheme, tokens.len())?;
     model.forward(tokens, &mut attention)?;
-    Ok(attention.cache().calibration())
-}
-
-/// RoPE as llama.cpp applies it to a GGUF Llama: interleaved pairs, the file's base.
-pub fn model_rope(model: &ModelConfig) -> Rope {
-    Rope {
-        base: model.rope_base,
-        layout: RopeLayout::Interleaved,
-    }
+    Ok(attention.calibration())
 }
 
 impl Attention for CacheAttention {
@@ -197,22 +280,25 @@ impl Attention for CacheAttention {
         v: &[f32],
         out: &mut [f32],
     ) -> Result<(), EvalError> {
+        let (c, l) = self.route[layer];
+        let cache = &mut self.caches[c];
         if !self.calibrated[layer] {
-            let position = self.cache.len(layer, 0)?;
-            self.cache.calibrate(layer, k, v, position)?;
+            let position = cache.len(l, 0)?;
+            cache.calibrate(l, k, v, position)?;
             self.calibrated[layer] = true;
         }
-        self.cache.append(layer, 0, k, v)?;
-        self.cache.attend(layer, 0, q, self.softmax_scale, out)?;
+        cache.append(l, 0, k, v)?;
+        cache.attend(l, 0, q, self.softmax_scale, out)?;
         Ok(())
     }
 }
 
-/// Plain f32 causal attention with RoPE, no cache and no rounding: the reference that checks
-/// the model's forward pass independently of hipkv (tests).
+/// Plain f32 causal attention with RoPE (and sliding windows), no cache and no rounding: the
+/// reference that checks the model's forward pass independently of hipkv (tests).
 pub struct DenseAttention {
     config: ModelConfig,
-    rope: RopeTable,
+    /// Per layer.
+    rope: Vec<RopeTable>,
     capacity: usize,
     /// Per layer: rotated keys and values so far, `tokens × kv_heads × head_dim`.
     k: Vec<Vec<f32>>,
@@ -223,7 +309,9 @@ impl DenseAttention {
     pub fn new(model: &ModelConfig, capacity: usize) -> DenseAttention {
         DenseAttention {
             config: *model,
-            rope: RopeTable::new(model_rope(model), model.head_dim, capacity),
+            rope: (0..model.layers)
+                .map(|l| RopeTable::new(model.layer_rope(l), model.head_dim, capacity))
+                .collect(),
             capacity,
             k: vec![Vec::new(); model.layers],
             v: vec![Vec::new(); model.layers],
@@ -252,27 +340,30 @@ impl Attention for DenseAttention {
                 context: self.capacity,
             });
         }
+        let rope = &self.rope[layer];
         let mut k = k.to_vec();
         for (t, token) in k.chunks_exact_mut(kv_width).enumerate() {
             token
                 .chunks_exact_mut(d)
-                .for_each(|h| self.rope.rotate(h, start + t));
+                .for_each(|h| rope.rotate(h, start + t));
         }
         self.k[layer].extend_from_slice(&k);
         self.v[layer].extend_from_slice(v);
         let (keys, values) = (&self.k[layer], &self.v[layer]);
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = c.softmax_scale();
+        let window = c.window(layer).unwrap_or(usize::MAX);
         let gqa = c.q_heads / c.kv_heads;
         out.par_chunks_exact_mut(q_width)
             .zip(q.par_chunks_exact(q_width))
             .enumerate()
             .for_each(|(t, (out, q))| {
                 let pos = start + t;
+                let first = (pos + 1).saturating_sub(window);
                 for head in 0..c.q_heads {
                     let kv = head / gqa;
                     let mut qh = q[head * d..(head + 1) * d].to_vec();
-                    self.rope.rotate(&mut qh, pos);
-                    let scores: Vec<f64> = (0..=pos)
+                    rope.rotate(&mut qh, pos);
+                    let scores: Vec<f64> = (first..=pos)
                         .map(|j| {
                             let kj = &keys[j * kv_width + kv * d..][..d];
                             f64::from(qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale)
@@ -283,7 +374,7 @@ impl Attention for DenseAttention {
                     let sum: f64 = w.iter().sum();
                     let o = &mut out[head * d..(head + 1) * d];
                     o.fill(0.0);
-                    for (j, wj) in w.iter().enumerate() {
+                    for (j, wj) in (first..=pos).zip(&w) {
                         let vj = &values[j * kv_width + kv * d..][..d];
                         for (o, x) in o.iter_mut().zip(vj) {
                             *o += (wj / sum) as f32 * x;
@@ -487,7 +578,7 @@ pub fn evaluate(
     let reports = runs
         .iter()
         .zip(&stats)
-        .map(|(run, stats)| scheme_report(&cfg, run.cache(), stats, baseline_nll))
+        .map(|(run, stats)| scheme_report(&cfg, run, stats, baseline_nll))
         .collect();
     Ok(Report {
         layers: cfg.layers,
@@ -517,12 +608,12 @@ fn quantile(xs: &[f64], q: f64) -> f64 {
 
 fn scheme_report(
     cfg: &ModelConfig,
-    cache: &KvCache,
+    run: &CacheAttention,
     stats: &[TokenStats],
     baseline_nll: f64,
 ) -> SchemeReport {
-    let scheme = cache.config().scheme;
-    let tokens = cache.config().capacity;
+    let scheme = run.scheme();
+    let tokens = run.capacity();
     let kl: Vec<f64> = stats.iter().map(|s| s.kl).collect();
     let nll = mean(stats.iter().map(|s| s.nll));
     let top1 = |s: &[TokenStats]| mean(s.iter().map(|s| f64::from(u8::from(s.top1))));
@@ -550,7 +641,7 @@ fn scheme_report(
         perplexity: nll.exp(),
         bytes_per_token: per_head * (cfg.layers * cfg.kv_heads) as f64,
         bits_per_element: scheme.bytes_per_token(cfg.head_dim) * 8.0 / (2 * cfg.head_dim) as f64,
-        outliers_dropped: cache.outliers_dropped(),
+        outliers_dropped: run.outliers_dropped(),
         depth,
     }
 }

@@ -1,5 +1,11 @@
-//! A Llama-family model read from a GGUF file, run on the CPU, with every layer's attention
-//! handed to an [`Attention`] implementation (the hipkv cache in the scheme under test).
+//! A Llama-family or Gemma-3 model read from a GGUF file, run on the CPU, with every layer's
+//! attention handed to an [`Attention`] implementation (the hipkv cache in the scheme under test).
+//!
+//! Gemma-3 as llama.cpp runs it: embeddings scaled by √hidden, RMS-normed queries and keys per
+//! head (QK-norm) before RoPE over halves, norms after attention and after the feed-forward
+//! block, GELU (tanh) gating, and every sixth layer global (RoPE base from the file) while the
+//! others attend to a sliding window with RoPE base 10 000. The file's norm weights already
+//! include Gemma's `1 +`.
 //!
 //! The weights are read as shipped (Q4_1, Q8_0, F32, ...) and dequantized once to f32, which is
 //! exact: every quantized weight is `scale · q (+ min)` with f16 parameters, representable in f32.
@@ -18,10 +24,25 @@ use rayon::prelude::*;
 use super::fit::KvShape;
 use super::tokenizer::Tokenizer;
 use super::{EvalError, metadata};
+use crate::{Rope, RopeLayout};
 
-/// Shape and hyperparameters of a Llama-family model.
+/// The model families this module runs (`general.architecture`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Gemma3,
+}
+
+/// Gemma-3's layer pattern: every sixth layer is global, the others slide (llama.cpp's
+/// `set_swa_pattern(6)`).
+const GEMMA3_GLOBAL_EVERY: usize = 6;
+/// Gemma-3's RoPE base of sliding-window layers (llama.cpp's `rope_freq_base_train_swa`).
+const GEMMA3_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
+/// Shape and hyperparameters of a model.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ModelConfig {
+    pub architecture: Architecture,
     pub layers: usize,
     pub hidden: usize,
     pub ffn: usize,
@@ -32,7 +53,21 @@ pub struct ModelConfig {
     /// Context length the model was trained for.
     pub context: usize,
     pub rms_eps: f32,
+    /// RoPE base of the global layers (every layer of a Llama).
     pub rope_base: f32,
+    /// Tokens a sliding-window layer attends to (itself and the `window − 1` before it), for
+    /// models with such layers.
+    pub sliding_window: Option<usize>,
+}
+
+/// Gemma-3's extra norms of one block.
+struct GemmaNorms {
+    /// Per head of Q and of K (`head_dim`), before RoPE.
+    q: Vec<f32>,
+    k: Vec<f32>,
+    /// On the attention output and on the feed-forward output, before each joins the residual.
+    post_attention: Vec<f32>,
+    post_ffn: Vec<f32>,
 }
 
 /// One transformer block's weights, transposed to `in × out` for `x · W`.
@@ -45,9 +80,10 @@ struct Block {
     /// Gate and up projections side by side: `hidden × 2 ffn`.
     gate_up: Tensor,
     down: Tensor,
+    gemma: Option<GemmaNorms>,
 }
 
-/// A Llama-family model on the CPU.
+/// A Llama-family or Gemma-3 model on the CPU.
 pub struct Model {
     config: ModelConfig,
     /// `vocab × hidden`, row per token.
@@ -61,7 +97,9 @@ pub struct Model {
 /// Where every layer's attention happens: the model hands over one chunk of `n` tokens' queries,
 /// keys and values, all unrotated (`n × heads × head_dim`), and takes back the attention output
 /// (`n × q_heads × head_dim`) of those tokens, each attending causally to every token before it
-/// and itself. Positions continue from the previous chunk.
+/// and itself (within [`ModelConfig::window`] on sliding-window layers), after RoPE as
+/// [`ModelConfig::layer_rope`] says and scaled by [`ModelConfig::softmax_scale`]. Positions
+/// continue from the previous chunk.
 pub trait Attention {
     fn attend(
         &mut self,
@@ -88,68 +126,148 @@ fn f32_key(content: &Content, key: &str) -> Result<f32, EvalError> {
 }
 
 impl ModelConfig {
-    /// Reads the `llama.*` keys of a GGUF file and checks that this module can run the model.
+    /// Reads the `<arch>.*` keys of a GGUF file and checks that this module can run the model.
     pub fn from_gguf(content: &Content) -> Result<ModelConfig, EvalError> {
         let arch = metadata(content, "general.architecture")?
             .to_string()
             .map_err(EvalError::Gguf)?;
-        if arch != "llama" {
-            return Err(EvalError::UnsupportedModel {
-                what: "general.architecture (llama only)",
-                value: arch.clone(),
-            });
-        }
-        let hidden = usize_key(content, "llama.embedding_length")?;
-        let q_heads = usize_key(content, "llama.attention.head_count")?;
-        let kv_heads = match content.metadata.get("llama.attention.head_count_kv") {
-            Some(_) => usize_key(content, "llama.attention.head_count_kv")?,
-            None => q_heads,
+        let architecture = match arch.as_str() {
+            "llama" => Architecture::Llama,
+            "gemma3" => Architecture::Gemma3,
+            _ => {
+                return Err(EvalError::UnsupportedModel {
+                    what: "general.architecture (llama or gemma3)",
+                    value: arch.clone(),
+                });
+            }
         };
-        let vocab = match content.metadata.get("llama.vocab_size") {
-            Some(_) => usize_key(content, "llama.vocab_size")?,
+        let key = |name: &str| format!("{arch}.{name}");
+        let optional = |name: &str| {
+            content
+                .metadata
+                .contains_key(&key(name))
+                .then(|| usize_key(content, &key(name)))
+                .transpose()
+        };
+        let hidden = usize_key(content, &key("embedding_length"))?;
+        let q_heads = usize_key(content, &key("attention.head_count"))?;
+        let kv_heads = optional("attention.head_count_kv")?.unwrap_or(q_heads);
+        let vocab = match optional("vocab_size")? {
+            Some(n) => n,
             None => metadata(content, "tokenizer.ggml.tokens")?
                 .to_vec()
                 .map_err(EvalError::Gguf)?
                 .len(),
         };
-        let head_dim = hidden / q_heads.max(1);
+        if q_heads == 0 || kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(EvalError::UnsupportedModel {
+                what: "head counts (query heads a multiple of KV heads)",
+                value: format!("{q_heads} query heads, {kv_heads} KV heads"),
+            });
+        }
+        let head_dim = match optional("attention.key_length")? {
+            Some(d) => d,
+            None if hidden % q_heads == 0 => hidden / q_heads,
+            None => {
+                return Err(EvalError::UnsupportedModel {
+                    what: "head_dim (no key_length, and hidden not a multiple of the query heads)",
+                    value: format!("hidden {hidden}, {q_heads} query heads"),
+                });
+            }
+        };
+        if let Some(v) = optional("attention.value_length")?
+            && v != head_dim
+        {
+            return Err(EvalError::UnsupportedModel {
+                what: "attention.value_length (equal to key_length)",
+                value: v.to_string(),
+            });
+        }
+        let sliding_window = match architecture {
+            Architecture::Llama => None,
+            Architecture::Gemma3 => Some(usize_key(content, &key("attention.sliding_window"))?),
+        };
         let config = ModelConfig {
-            layers: usize_key(content, "llama.block_count")?,
+            architecture,
+            layers: usize_key(content, &key("block_count"))?,
             hidden,
-            ffn: usize_key(content, "llama.feed_forward_length")?,
+            ffn: usize_key(content, &key("feed_forward_length"))?,
             q_heads,
             kv_heads,
             head_dim,
             vocab,
-            context: usize_key(content, "llama.context_length")?,
-            rms_eps: f32_key(content, "llama.attention.layer_norm_rms_epsilon")?,
-            rope_base: match content.metadata.get("llama.rope.freq_base") {
-                Some(_) => f32_key(content, "llama.rope.freq_base")?,
+            context: usize_key(content, &key("context_length"))?,
+            rms_eps: f32_key(content, &key("attention.layer_norm_rms_epsilon"))?,
+            rope_base: match content.metadata.get(&key("rope.freq_base")) {
+                Some(_) => f32_key(content, &key("rope.freq_base"))?,
                 None => 10_000.0,
             },
+            sliding_window,
         };
-        if q_heads == 0 || kv_heads == 0 || hidden % q_heads != 0 || q_heads % kv_heads != 0 {
+        if let Some(dims) = optional("rope.dimension_count")?
+            && dims != head_dim
+        {
             return Err(EvalError::UnsupportedModel {
-                what: "head counts (hidden a multiple of query heads, query heads of KV heads)",
-                value: format!("hidden {hidden}, {q_heads} query heads, {kv_heads} KV heads"),
+                what: "rope.dimension_count (RoPE over the whole head only)",
+                value: dims.to_string(),
             });
         }
-        if let Some(v) = content.metadata.get("llama.rope.dimension_count") {
-            let dims = v.to_u32().map_err(EvalError::Gguf)? as usize;
-            if dims != head_dim {
+        for name in [
+            "rope.scaling.type",
+            "rope.scaling.factor",
+            "final_logit_softcapping",
+        ] {
+            if let Some(v) = content.metadata.get(&key(name)) {
                 return Err(EvalError::UnsupportedModel {
-                    what: "llama.rope.dimension_count (RoPE over the whole head only)",
-                    value: dims.to_string(),
+                    what: "RoPE scaling or logit soft-capping (neither is implemented)",
+                    value: format!("{}: {v:?}", key(name)),
                 });
             }
         }
-        if let Some(v) = content.metadata.get("llama.rope.scaling.type") {
-            return Err(EvalError::UnsupportedModel {
-                what: "llama.rope.scaling.type (no RoPE scaling)",
-                value: v.to_string().cloned().unwrap_or_default(),
-            });
-        }
         Ok(config)
+    }
+
+    /// Whether `layer` attends to a sliding window (Gemma-3: all but every sixth).
+    pub fn is_sliding(&self, layer: usize) -> bool {
+        self.sliding_window.is_some() && layer % GEMMA3_GLOBAL_EVERY != GEMMA3_GLOBAL_EVERY - 1
+    }
+
+    /// Tokens `layer` attends to: its window on a sliding-window layer, else everything.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.is_sliding(layer))
+    }
+
+    /// RoPE of `layer`'s queries and keys, as llama.cpp applies it to this architecture's GGUF
+    /// tensors: a Llama's Q and K are stored permuted to interleaved pairs, Gemma's are not
+    /// (pairs of halves); Gemma's sliding-window layers use base 10 000.
+    pub fn layer_rope(&self, layer: usize) -> Rope {
+        match self.architecture {
+            Architecture::Llama => Rope {
+                base: self.rope_base,
+                layout: RopeLayout::Interleaved,
+            },
+            Architecture::Gemma3 => Rope {
+                base: if self.is_sliding(layer) {
+                    GEMMA3_LOCAL_ROPE_BASE
+                } else {
+                    self.rope_base
+                },
+                layout: RopeLayout::Halves,
+            },
+        }
+    }
+
+    /// The attention's score scale, `1/√head_dim` (Gemma-3 270M's `query_pre_attn_scalar` is its
+    /// head_dim, as llama.cpp assumes for every Gemma-3 but the 27B).
+    pub fn softmax_scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+
+    /// The longest context in which every layer sees every token before it: the training
+    /// context, or the sliding window where layers have one.
+    pub fn full_attention_context(&self) -> usize {
+        self.sliding_window
+            .map_or(self.context, |w| w.min(self.context))
     }
 }
 
@@ -288,7 +406,7 @@ pub fn inspect(path: &Path) -> Result<ModelSummary, EvalError> {
 }
 
 impl Model {
-    /// Loads a Llama-family GGUF file and its tokenizer.
+    /// Loads a Llama-family or Gemma-3 GGUF file and its tokenizer.
     pub fn load(path: &Path) -> Result<(Model, Tokenizer), EvalError> {
         let (content, mut file) = open_gguf(path)?;
         let config = ModelConfig::from_gguf(&content)?;
@@ -315,6 +433,16 @@ impl Model {
             let gate = matrix("ffn_gate", c.ffn, c.hidden)?;
             let up = matrix("ffn_up", c.ffn, c.hidden)?;
             let down = matrix("ffn_down", c.hidden, c.ffn)?;
+            let mut vector = |w: &str, len| read_vector(&content, &mut file, &name(w), len);
+            let gemma = match c.architecture {
+                Architecture::Llama => None,
+                Architecture::Gemma3 => Some(GemmaNorms {
+                    q: vector("attn_q_norm", c.head_dim)?,
+                    k: vector("attn_k_norm", c.head_dim)?,
+                    post_attention: vector("post_attention_norm", c.hidden)?,
+                    post_ffn: vector("post_ffw_norm", c.hidden)?,
+                }),
+            };
             blocks.push(Block {
                 attn_norm: read_vector(&content, &mut file, &name("attn_norm"), c.hidden)?,
                 qkv: transposed(&Tensor::cat(&[&q, &k, &v], 0)?)?,
@@ -322,6 +450,7 @@ impl Model {
                 ffn_norm: read_vector(&content, &mut file, &name("ffn_norm"), c.hidden)?,
                 gate_up: transposed(&Tensor::cat(&[&gate, &up], 0)?)?,
                 down: transposed(&down)?,
+                gemma,
             });
         }
         let output_norm = read_vector(&content, &mut file, "output_norm.weight", c.hidden)?;
@@ -362,6 +491,10 @@ impl Model {
             }
             x.extend_from_slice(&self.embedding[t * c.hidden..(t + 1) * c.hidden]);
         }
+        if c.architecture == Architecture::Gemma3 {
+            let scale = (c.hidden as f32).sqrt();
+            x.iter_mut().for_each(|x| *x *= scale);
+        }
         let mut attn = vec![0.0f32; n * q_width];
         for (l, b) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &b.attn_norm, c.rms_eps);
@@ -375,18 +508,34 @@ impl Model {
                 k.extend_from_slice(&row[q_width..q_width + kv_width]);
                 v.extend_from_slice(&row[q_width + kv_width..]);
             }
+            if let Some(g) = &b.gemma {
+                q = rms_norm(&q, &g.q, c.rms_eps);
+                k = rms_norm(&k, &g.k, c.rms_eps);
+            }
             attention.attend(l, &q, &k, &v, &mut attn)?;
-            add(&mut x, &matmul(&attn, n, &b.out)?);
+            let mut o = matmul(&attn, n, &b.out)?;
+            if let Some(g) = &b.gemma {
+                o = rms_norm(&o, &g.post_attention, c.rms_eps);
+            }
+            add(&mut x, &o);
             let h = rms_norm(&x, &b.ffn_norm, c.rms_eps);
             let gate_up = matmul(&h, n, &b.gate_up)?;
+            let activation = match c.architecture {
+                Architecture::Llama => silu,
+                Architecture::Gemma3 => gelu_tanh,
+            };
             let act: Vec<f32> = gate_up
                 .par_chunks_exact(2 * c.ffn)
                 .flat_map_iter(|row| {
                     let (g, u) = row.split_at(c.ffn);
-                    g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                    g.iter().zip(u).map(|(&g, &u)| activation(g) * u)
                 })
                 .collect();
-            add(&mut x, &matmul(&act, n, &b.down)?);
+            let mut f = matmul(&act, n, &b.down)?;
+            if let Some(g) = &b.gemma {
+                f = rms_norm(&f, &g.post_ffn, c.rms_eps);
+            }
+            add(&mut x, &f);
         }
         let h = rms_norm(&x, &self.output_norm, c.rms_eps);
         matmul(&h, n, &self.lm_head)
@@ -412,6 +561,16 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
             }
         });
     out
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`, llama.cpp's `ggml_gelu`).
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

@@ -31,6 +31,8 @@ const GPU_CONTEXTS: [usize; 6] = [1024, 4096, 16384, 32768, 65536, 131072];
 const EMU_CONTEXTS: [usize; 1] = [256];
 /// Tokens per `append` call while filling, as a prefill chunk would arrive.
 const CHUNK: usize = 512;
+/// Tokens `hipkv eval` runs by default.
+const DEFAULT_EVAL_TOKENS: usize = 4096;
 /// Synthetic tokens generated once and appended cyclically.
 const POOL_TOKENS: usize = 4 * CHUNK;
 const MIN_STEPS: usize = 5;
@@ -67,7 +69,7 @@ enum Command {
 
 #[derive(Args)]
 struct CalibrateArgs {
-    /// Llama-family GGUF model.
+    /// Llama-family or Gemma-3 GGUF model.
     #[arg(long, default_value = hipkv::eval::DEFAULT_MODEL)]
     model: PathBuf,
     /// Text file to calibrate on [default: the bundled corpus].
@@ -86,7 +88,8 @@ struct CalibrateArgs {
 
 #[derive(Args)]
 struct EvalArgs {
-    /// Llama-family GGUF model (`scripts/fetch-model.sh` downloads the default).
+    /// Llama-family or Gemma-3 GGUF model (`scripts/fetch-model.sh` downloads the default,
+    /// `scripts/fetch-model.sh gemma3` a Gemma-3 270M).
     #[arg(long, default_value = hipkv::eval::DEFAULT_MODEL)]
     model: PathBuf,
     /// Text file to evaluate on [default: the bundled corpus, data/corpus/python-tutorial.txt].
@@ -96,9 +99,10 @@ struct EvalArgs {
     /// calibrating each layer on the first chunk of the text (repeatable).
     #[arg(long)]
     calibration: Vec<PathBuf>,
-    /// Tokens of the text to run (from its start).
-    #[arg(long, default_value_t = 4096)]
-    tokens: usize,
+    /// Tokens of the text to run (from its start) [default: 4096, or the model's sliding
+    /// window where that is shorter (Gemma-3: 512): hipkv's attention has no window mask].
+    #[arg(long)]
+    tokens: Option<usize>,
     /// Schemes, separated by `,` where each starts with a preset or `k=` (`f16,q8,kivi2,pre_rope`
     /// is three), or by `;` [default: f16, q8, q8_0, q2_tok; q4_tok with and without outliers;
     /// kivi4 and kivi2 with and without pre_rope and outliers; kivi2 with codebooks (nuq)].
@@ -1002,12 +1006,12 @@ fn print_table(report: &Report) {
     }
 }
 
-/// The model, the first `tokens` tokens of `text` (the bundled corpus by default) and how many
-/// the whole text has.
+/// The model, the first `tokens` tokens of `text` (the bundled corpus by default; `None`: 4096,
+/// or as many as every layer sees in full) and how many the whole text has.
 fn model_and_tokens(
     model: &std::path::Path,
     text: Option<&PathBuf>,
-    tokens: usize,
+    tokens: Option<usize>,
 ) -> Result<(hipkv::eval::Model, Vec<u32>, usize), CliError> {
     use hipkv::eval::{self, EvalError, Model};
 
@@ -1019,6 +1023,8 @@ fn model_and_tokens(
         None => eval::CORPUS.to_string(),
     };
     let (model, tokenizer) = Model::load(model)?;
+    let tokens =
+        tokens.unwrap_or_else(|| DEFAULT_EVAL_TOKENS.min(model.config().full_attention_context()));
     let mut all = tokenizer.encode(&text)?;
     if all.len() < tokens {
         return Err(EvalError::TextTooShort {
@@ -1046,7 +1052,7 @@ fn read_calibration(path: &PathBuf) -> Result<hipkv::Calibration, CliError> {
 
 fn calibrate(args: &CalibrateArgs) -> Result<(), CliError> {
     let scheme: hipkv::Scheme = args.scheme.parse()?;
-    let (model, tokens, _) = model_and_tokens(&args.model, args.text.as_ref(), args.tokens)?;
+    let (model, tokens, _) = model_and_tokens(&args.model, args.text.as_ref(), Some(args.tokens))?;
     let calibration = hipkv::eval::calibrate(&model, &tokens, scheme)?;
     std::fs::write(&args.out, calibration.to_text()).map_err(|source| {
         hipkv::eval::EvalError::Write {
@@ -1072,7 +1078,7 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
         EVAL_SCHEMES
     };
     let schemes = eval::parse_schemes(args.schemes.as_deref().unwrap_or(default))?;
-    if args.tokens < 2 {
+    if args.tokens.is_some_and(|n| n < 2) {
         return Err(CliError::Usage("--tokens must be at least 2".into()));
     }
     let started = Instant::now();
@@ -1083,13 +1089,16 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
     let load_time = started.elapsed();
     if !args.json {
         println!(
-            "model {} ({} layers, {} query / {} KV heads, head_dim {}, RoPE base {}), loaded in {:.1} s",
+            "model {} ({:?}, {} layers, {} query / {} KV heads, head_dim {}, RoPE base {}{}), loaded in {:.1} s",
             args.model.display(),
+            cfg.architecture,
             cfg.layers,
             cfg.q_heads,
             cfg.kv_heads,
             cfg.head_dim,
             cfg.rope_base,
+            cfg.sliding_window
+                .map_or(String::new(), |w| format!(", sliding window {w}")),
             load_time.as_secs_f64()
         );
         println!(
