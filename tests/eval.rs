@@ -170,6 +170,29 @@ fn schemes_rank_as_the_issue_requires() {
     );
     assert_eq!(report.scored, 383);
     assert_eq!(f16.depth[0].tokens, 383);
+
+    // The noise estimate: 5 full blocks of 64 of the 383 scored positions; the baseline against
+    // itself has no spread, and kivi2 is worse than q8 by many standard errors.
+    assert_eq!((f16.kl_blocks.len(), f16.kl_stderr), (5, Some(0.0)));
+    let index = |name: &str| {
+        report
+            .schemes
+            .iter()
+            .position(|s| s.scheme == name)
+            .unwrap()
+    };
+    assert_eq!(
+        report.kl_difference(index("q8"), index("q8")),
+        Some((0.0, 0.0))
+    );
+    let (d, se) = report.kl_difference(index("kivi2"), index("q8")).unwrap();
+    assert!(d > 4.0 * se && se > 0.0, "kivi2 − q8 = {d} ± {se}");
+    let se = kivi2.kl_stderr.unwrap();
+    assert!(
+        se > 0.0 && se < kivi2.mean_kl,
+        "kivi2 KL {} ± {se}",
+        kivi2.mean_kl
+    );
 }
 
 /// `inspect` reads the KV shape of any architecture from the header alone: a gemma3-like file

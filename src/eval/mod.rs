@@ -433,6 +433,23 @@ fn compare(p: &[f32], q: &[f32], next: u32) -> TokenStats {
     }
 }
 
+/// Scored positions per block of the noise estimate. The KL of nearby positions is correlated
+/// (they share their context), so the standard errors come from the spread of the means of
+/// consecutive blocks (batch means), not from the per-token spread, which would understate them.
+pub const KL_BLOCK_TOKENS: usize = 64;
+
+/// Mean of `xs` and its standard error `sd / √n` (sample standard deviation); `None` with fewer
+/// than two values.
+fn mean_and_stderr(xs: &[f64]) -> Option<(f64, f64)> {
+    if xs.len() < 2 {
+        return None;
+    }
+    let n = xs.len() as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1.0);
+    Some((m, (var / n).sqrt()))
+}
+
 /// KL of one depth bucket.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct DepthBucket {
@@ -454,6 +471,12 @@ pub struct SchemeReport {
     pub scheme: String,
     /// Mean KL(P‖Q) over the full vocabulary, nats, P the `f16` cache's next-token distribution.
     pub mean_kl: f64,
+    /// Standard error of `mean_kl` by batch means over [`KL_BLOCK_TOKENS`]-token blocks;
+    /// `None` with fewer than two full blocks.
+    pub kl_stderr: Option<f64>,
+    /// Mean KL of each full block of [`KL_BLOCK_TOKENS`] scored positions, in text order (what
+    /// [`Report::kl_difference`] pairs).
+    pub kl_blocks: Vec<f64>,
     /// 99th percentile of the per-token KL.
     pub p99_kl: f64,
     /// Fraction of tokens whose most likely next token is the baseline's.
@@ -631,9 +654,15 @@ fn scheme_report(
         })
         .collect();
     let per_head = scheme.memory(cfg.head_dim, tokens).bytes_per_token();
+    let kl_blocks: Vec<f64> = kl
+        .chunks_exact(KL_BLOCK_TOKENS)
+        .map(|b| mean(b.iter().copied()))
+        .collect();
     SchemeReport {
         scheme: scheme.to_string(),
         mean_kl: mean(kl.iter().copied()),
+        kl_stderr: mean_and_stderr(&kl_blocks).map(|(_, se)| se),
+        kl_blocks,
         p99_kl: quantile(&kl, 0.99),
         top1: top1(stats),
         nll,
@@ -660,6 +689,9 @@ pub struct FrontierPoint {
     /// The scheme (an index into [`Report::schemes`]) of least mean KL among those whose
     /// [`Report::page_bytes_per_token`] is within the budget; `None` when none is.
     pub best: Option<usize>,
+    /// The one of next least mean KL within the budget, to tell whether `best` wins beyond the
+    /// noise ([`Report::kl_difference`]).
+    pub runner_up: Option<usize>,
 }
 
 impl Report {
@@ -682,12 +714,30 @@ impl Report {
             .iter()
             .map(|b| {
                 let budget = b * self.head_dim as f64 / 64.0;
-                let best = (0..self.schemes.len())
+                let mut fits: Vec<usize> = (0..self.schemes.len())
                     .filter(|&i| self.page_bytes_per_token(i) <= budget)
-                    .min_by(|&a, &b| self.schemes[a].mean_kl.total_cmp(&self.schemes[b].mean_kl));
-                FrontierPoint { budget, best }
+                    .collect();
+                fits.sort_by(|&a, &b| self.schemes[a].mean_kl.total_cmp(&self.schemes[b].mean_kl));
+                FrontierPoint {
+                    budget,
+                    best: fits.first().copied(),
+                    runner_up: fits.get(1).copied(),
+                }
             })
             .collect()
+    }
+
+    /// Mean KL of scheme `a` minus scheme `b` over the same full blocks of text, and the
+    /// standard error of that difference (paired batch means: the schemes see the same tokens,
+    /// so their noise largely cancels in the difference); `None` with fewer than two blocks.
+    pub fn kl_difference(&self, a: usize, b: usize) -> Option<(f64, f64)> {
+        let diffs: Vec<f64> = self.schemes[a]
+            .kl_blocks
+            .iter()
+            .zip(&self.schemes[b].kl_blocks)
+            .map(|(x, y)| x - y)
+            .collect();
+        mean_and_stderr(&diffs)
     }
 }
 
@@ -745,6 +795,16 @@ mod tests {
     }
 
     #[test]
+    fn stderr_is_the_sample_sd_over_root_n() {
+        assert_eq!(mean_and_stderr(&[1.0]), None);
+        // Mean 2.5, sample variance 5/3, standard error √(5/3 / 4).
+        let (m, se) = mean_and_stderr(&[1.0, 2.0, 3.0, 4.0]).unwrap();
+        assert_eq!(m, 2.5);
+        assert!((se - (5.0f64 / 12.0).sqrt()).abs() < 1e-15);
+        assert_eq!(mean_and_stderr(&[7.0, 7.0, 7.0]), Some((7.0, 0.0)));
+    }
+
+    #[test]
     fn quantile_is_nearest_rank() {
         let xs: Vec<f64> = (1..=200).map(f64::from).collect();
         assert_eq!(quantile(&xs, 0.99), 198.0);
@@ -770,6 +830,8 @@ mod tests {
         let scheme = |name: &str, bytes: f64, mean_kl: f64| SchemeReport {
             scheme: name.into(),
             mean_kl,
+            kl_stderr: Some(0.0),
+            kl_blocks: vec![mean_kl; 2],
             p99_kl: 0.0,
             top1: 1.0,
             nll: 0.0,
@@ -800,6 +862,10 @@ mod tests {
         let best: Vec<Option<usize>> = report.frontier().iter().map(|p| p.best).collect();
         // c is best overall but 0.5 byte over 72; nothing fits 40.
         assert_eq!(best, [Some(2), Some(4), Some(4), None]);
+        let next: Vec<Option<usize>> = report.frontier().iter().map(|p| p.runner_up).collect();
+        assert_eq!(next, [Some(0), Some(3), None, None]);
+        let (d, se) = report.kl_difference(0, 2).unwrap();
+        assert!((d - 9e-4).abs() < 1e-15 && se == 0.0, "{d} ± {se}");
         assert_eq!(report.head_bytes_per_token(4), 66.0);
         let mut wide = report.clone();
         wide.head_dim = 256;

@@ -1199,20 +1199,25 @@ fn print_frontier(report: &hipkv::eval::Report) {
         report.head_dim
     );
     println!(
-        "{:>7}  {:>6}  {:>9}  {:>9}  {:>7}  scheme",
-        "budget", "bytes", "with seq", "mean KL", "top-1"
+        "{:>7}  {:>6}  {:>9}  {:>9}  {:>7}  {:>19}  scheme",
+        "budget", "bytes", "with seq", "mean KL", "top-1", "next: ΔKL ± se"
     );
     for point in report.frontier() {
         match point.best {
             Some(i) => {
                 let s = &report.schemes[i];
+                let margin = point
+                    .runner_up
+                    .and_then(|j| report.kl_difference(j, i))
+                    .map_or("-".to_string(), |(d, se)| format!("{d:+.1e} ± {se:.1e}"));
                 println!(
-                    "{:>7}  {:>6.1}  {:>9.1}  {:>9.2e}  {:>6.2}%  {}",
+                    "{:>7}  {:>6.1}  {:>9.1}  {:>9.2e}  {:>6.2}%  {:>19}  {}",
                     point.budget,
                     report.page_bytes_per_token(i),
                     report.head_bytes_per_token(i),
                     s.mean_kl,
                     100.0 * s.top1,
+                    margin,
                     s.scheme
                 );
             }
@@ -1221,8 +1226,11 @@ fn print_frontier(report: &hipkv::eval::Report) {
     }
     println!(
         "bytes: full pages (Scheme::bytes_per_token); with seq: everything included at {} tokens \
-         (sinks, residual and value windows shared by the sequence's tokens).",
-        report.tokens
+         (sinks, residual and value windows shared by the sequence's tokens). next: how much more \
+         KL the budget's second-best scheme has, ± its standard error (paired means of {}-token \
+         blocks): a margin within about two standard errors is not a win.",
+        report.tokens,
+        hipkv::eval::KL_BLOCK_TOKENS
     );
 }
 
@@ -1254,8 +1262,8 @@ fn print_eval(report: &hipkv::eval::Report) {
         report.baseline_nll, report.baseline_perplexity, report.scored
     );
     print!(
-        "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>7}  {:>9}  {:>8}",
-        "scheme", "bytes/tok", "bits/elem", "mean KL", "p99 KL", "top-1", "ΔNLL", "PPL"
+        "{:<w$}  {:>9}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}  {:>9}  {:>8}",
+        "scheme", "bytes/tok", "bits/elem", "mean KL", "± se", "p99 KL", "top-1", "ΔNLL", "PPL"
     );
     for b in &buckets {
         print!("  {:>9}", name(b.from, b.to));
@@ -1267,11 +1275,13 @@ fn print_eval(report: &hipkv::eval::Report) {
     println!();
     for s in &report.schemes {
         print!(
-            "{:<w$}  {:>9.0}  {:>9.2}  {:>9.2e}  {:>9.2e}  {:>6.2}%  {:>+9.4}  {:>8.3}",
+            "{:<w$}  {:>9.0}  {:>9.2}  {:>9.2e}  {:>8}  {:>9.2e}  {:>6.2}%  {:>+9.4}  {:>8.3}",
             s.scheme,
             s.bytes_per_token,
             s.bits_per_element,
             s.mean_kl,
+            s.kl_stderr
+                .map_or("-".to_string(), |se| format!("{se:.1e}")),
             s.p99_kl,
             100.0 * s.top1,
             s.delta_nll,
@@ -1285,4 +1295,8 @@ fn print_eval(report: &hipkv::eval::Report) {
         }
         println!();
     }
+    println!(
+        "± se: standard error of the mean KL, from the means of {}-token blocks of the text.",
+        hipkv::eval::KL_BLOCK_TOKENS
+    );
 }
