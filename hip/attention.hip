@@ -137,7 +137,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
     // aligned; a lane reads its own token's row); per-channel keys 32 channels at a time (8
     // bytes of 2-bit codes), since each channel also needs its own scale and minimum live.
     constexpr uint32_t kChunk =
-        F == HIPKV_Q8_0 ? 8 : format_is_chan(F) ? 32 : kChunkChannels<F>;
+        kParams<F> == ParamsAt::BlockScale ? 8 : format_is_chan(F) ? 32 : kChunkChannels<F>;
     constexpr uint32_t kChunkBytes = kChunk * format_bits(F) / 8;
     if constexpr (format_is_tok(F)) {
         // Channel groups are 32+ channels: read 32 channels at a time (16 bytes of 4-bit
@@ -167,7 +167,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += scale * dot[r] + min * qsum[g * w.qsum_stride + r];
         }
-    } else if constexpr (F == HIPKV_Q8_0) {
+    } else if constexpr (kParams<F> == ParamsAt::BlockScale) {
         HIPKV_ROLLED
         for (uint32_t b = 0; b < D / HIPKV_Q8_0_BLOCK; ++b) {
             float dot[kRows<D>];
@@ -207,7 +207,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows) s[r] += bias[r];
         }
-        if constexpr (F == HIPKV_Q8 || F == HIPKV_FP8) {
+        if constexpr (kParams<F> == ParamsAt::TokenScale) {
             const float scale = load_f16(k.params + 2 * t);
             for (int r = 0; r < kRows<D>; ++r) s[r] *= scale;
         }
@@ -251,7 +251,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
         // Through the table whether or not it is a codebook (`load_levels`): a branch here,
         // among sixteen elements' parameters, costs the d256 kernels registers they lack.
         if constexpr (format_has_levels(F)) codes_to_levels<8>(stream_levels[0], x);
-        if constexpr (F == HIPKV_F16) return;
+        if constexpr (kParams<F> == ParamsAt::None) return;
         if constexpr (format_is_chan(F)) {
             for (int i = 0; i < 8; ++i) {
                 float scale, min;
@@ -263,8 +263,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             float scale, min;
             element_params<F>(row, k.params, t, c, D, k.group, &scale, &min);
             for (int i = 0; i < 8; ++i)
-                x[i] = (F == HIPKV_Q8 || F == HIPKV_Q8_0 || F == HIPKV_FP8) ? scale * x[i]
-                                                                             : min + scale * x[i];
+                x[i] = format_has_levels(F) ? min + scale * x[i] : scale * x[i];
         }
     };
     if (p.g.rope_pairs_interleaved) {
@@ -324,7 +323,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
         const uint32_t t = t0 + j;
         const uint8_t *row = v.rows + (size_t)t * v.row_bytes;
         float x[kPer];
-        if constexpr (F == HIPKV_Q8_0)
+        if constexpr (kParams<F> == ParamsAt::BlockScale)
             for (int i = 0; i < kPer; ++i) x[i] = code1<F>(row, c0 + i);
         else
             lane_codes<F, kPer>(row, c0, x);

@@ -78,12 +78,6 @@ HIPKV_DEV uint32_t asym_code(float x, float scale, float min, const Midpoints<B>
     return levels.code((x - min) / scale);
 }
 
-// The code of `x` in a symmetric int8 group.
-HIPKV_DEV uint8_t sym_code(float x, float scale) {
-    if (scale == 0.0f) return 0;
-    return (uint8_t)(int8_t)(int)fminf(fmaxf(roundf(x / scale), -127.0f), 127.0f);
-}
-
 // Packs the N codes of a lane, low bits first, into N·bits/8 bytes at `out`.
 template <int F, int N>
 HIPKV_DEV void store_codes(uint8_t *out, const uint32_t codes[N]) {
@@ -321,31 +315,26 @@ HIPKV_DEV void quantize_row(const hipkv_write_params &p, uint8_t *block, uint32_
     constexpr int N = kLaneChannels<F, D>;
     const hipkv_stream_layout &l = stream_layout(p);
     uint8_t *row = block + l.rows + (size_t)t * l.row_bytes;
-    if constexpr (F == HIPKV_F16) {
+    constexpr ParamsAt at = kParams<F>;
+    if constexpr (at == ParamsAt::None) {
         for (int i = 0; i < N; ++i) store_u16(row + 2 * (c0 + i), float_to_half(x[i]));
-    } else if constexpr (F == HIPKV_FP8) {
-        // One scale for the row, max|x| / 448; e4m3 codes of x / scale.
+    } else if constexpr (at == ParamsAt::TokenScale || at == ParamsAt::BlockScale) {
+        // Symmetric 8-bit codes: one scale for the row (all lanes) or per 32-channel block,
+        // max|x| over the largest code magnitude (q8 127, fp8 448).
+        using Fmt = Format<F>;
         float amax = 0.0f;
         for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x[i]));
-        const float scale = round_f16(segment_max(amax, HIPKV_WAVE) / HIPKV_FP8_MAX);
-        if (lane_id() == 0) store_u16(block + l.params + 2 * t, float_to_half(scale));
-        for (int i = 0; i < N; ++i)
-            row[c0 + i] = scale == 0.0f ? 0 : (uint8_t)float_to_fp8(x[i] / scale);
-    } else if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) {
-        // q8: one scale for the row (all lanes); q8_0: one per 32-channel block.
-        float amax = 0.0f;
-        for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x[i]));
-        amax = segment_max(amax, F == HIPKV_Q8 ? HIPKV_WAVE : HIPKV_Q8_0_BLOCK / N);
-        const float scale = round_f16(amax / 127.0f);
+        amax = segment_max(amax, at == ParamsAt::TokenScale ? HIPKV_WAVE : HIPKV_Q8_0_BLOCK / N);
+        const float scale = round_f16(amax / Fmt::kMaxCode);
         uint8_t *codes = row + c0;
-        if constexpr (F == HIPKV_Q8_0) {
+        if constexpr (at == ParamsAt::BlockScale) {
             uint8_t *b = row + (c0 / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES;
             if (c0 % HIPKV_Q8_0_BLOCK == 0) store_u16(b, float_to_half(scale));
             codes = b + 2 + c0 % HIPKV_Q8_0_BLOCK;
         } else if (lane_id() == 0) {
             store_u16(block + l.params + 2 * t, float_to_half(scale));
         }
-        for (int i = 0; i < N; ++i) codes[i] = sym_code(x[i], scale);
+        for (int i = 0; i < N; ++i) codes[i] = Fmt::encode(x[i], scale);
     } else {
         static_assert(format_is_tok(F), "per-channel formats quantize whole blocks");
         const uint32_t shift = log2_pow2(l.group);

@@ -125,29 +125,116 @@ HIPKV_HD uint32_t row_bytes(int f, uint32_t head_dim) {
     }
 }
 
+// Where a format's parameters live, for `x = min + scale · value(code)`.
+enum class ParamsAt {
+    None,         // f16: the value itself
+    TokenScale,   // q8, fp8: one f16 scale per token, in the stream's parameter section
+    BlockScale,   // q8_0: one f16 scale per 32 channels, inside the row
+    TokenGroups,  // q4/q2_tok: (f16 scale, f16 min) per token and channel group
+    Channels,     // q4/q2_chan: (f16 scale, f16 min) per channel, shared by a page's tokens
+};
+
+// Per-format traits, one specialization per storage format (as llama.cpp's fattn-common.cuh
+// gathers each quant type's decoding): how the bits of one code become the float that the
+// parameters scale (`value`; `values4` for the four 8-bit codes of a word, which gfx12 converts
+// from fp8 without extracting them), where the parameters live (`params`), and, for the
+// symmetric 8-bit formats, the largest code magnitude and the code of `x` at a scale. Where the
+// codes sit in a row follows from `format_bits` (and q8_0's blocks), so the readers below branch
+// on bit width and leave the rest to these.
+template <int F>
+struct Format;
+
+// Codes without sign: the low-bit formats (and codebook indices).
+template <ParamsAt P>
+struct UnsignedCodes {
+    static constexpr ParamsAt params = P;
+    HIPKV_HD static float value(uint32_t code) { return (float)code; }
+};
+
+// Two's-complement int8 codes, |code| ≤ 127.
+struct Int8Codes {
+    static constexpr float kMaxCode = 127.0f;
+    HIPKV_HD static float value(uint32_t code) { return (float)(int8_t)code; }
+    HIPKV_HD static void values4(uint32_t w, float out[4]) {
+        for (int i = 0; i < 4; ++i) out[i] = value(w >> (8 * i));
+    }
+    HIPKV_HD static uint8_t encode(float x, float scale) {
+        if (scale == 0.0f) return 0;
+        return (uint8_t)(int8_t)(int)fminf(fmaxf(roundf(x / scale), -kMaxCode), kMaxCode);
+    }
+};
+
+template <>
+struct Format<HIPKV_F16> {
+    static constexpr ParamsAt params = ParamsAt::None;
+    HIPKV_HD static float value(uint32_t code) { return half_to_float((uint16_t)code); }
+};
+
+template <>
+struct Format<HIPKV_Q8> : Int8Codes {
+    static constexpr ParamsAt params = ParamsAt::TokenScale;
+};
+
+template <>
+struct Format<HIPKV_Q8_0> : Int8Codes {
+    static constexpr ParamsAt params = ParamsAt::BlockScale;
+};
+
+template <>
+struct Format<HIPKV_FP8> {
+    static constexpr ParamsAt params = ParamsAt::TokenScale;
+    static constexpr float kMaxCode = HIPKV_FP8_MAX;
+    HIPKV_HD static float value(uint32_t code) { return fp8_to_float(code); }
+    HIPKV_HD static void values4(uint32_t w, float out[4]) { fp8x4(w, out); }
+    HIPKV_HD static uint8_t encode(float x, float scale) {
+        return scale == 0.0f ? 0 : (uint8_t)float_to_fp8(x / scale);
+    }
+};
+
+template <>
+struct Format<HIPKV_Q4_TOK> : UnsignedCodes<ParamsAt::TokenGroups> {};
+template <>
+struct Format<HIPKV_Q2_TOK> : UnsignedCodes<ParamsAt::TokenGroups> {};
+template <>
+struct Format<HIPKV_Q4_CHAN> : UnsignedCodes<ParamsAt::Channels> {};
+template <>
+struct Format<HIPKV_Q2_CHAN> : UnsignedCodes<ParamsAt::Channels> {};
+
+template <int F>
+constexpr ParamsAt kParams = Format<F>::params;
+
+// The predicates above, which row_bytes and the host also use at run time, agree with the traits.
+#define HIPKV_CHECK_TRAITS(name, F, ...)                                                  \
+    static_assert(format_is_tok(F) == (kParams<F> == ParamsAt::TokenGroups) &&            \
+                      format_is_chan(F) == (kParams<F> == ParamsAt::Channels) &&          \
+                      (format_bits(F) < 8) == format_has_levels(F),                       \
+                  #name ": traits and predicates disagree");
+HIPKV_FORMATS(HIPKV_CHECK_TRAITS, )
+#undef HIPKV_CHECK_TRAITS
+
+// Byte offset of channel c's code in a q8_0 row: past the scales of its block and those before.
+HIPKV_HD uint32_t q8_0_code_offset(uint32_t c) {
+    return (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES + 2 + c % HIPKV_Q8_0_BLOCK;
+}
+
 // The raw code (or, for f16, the value; for fp8, the e4m3 value) of channels c..c+8 of one
 // row, as floats, c % 8 == 0.
 // For q8_0 the codes only: the block scale is read by `q8_0_scale`.
 template <int F>
 HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
-    if constexpr (F == HIPKV_F16) {
-        for (int i = 0; i < 8; ++i) out[i] = load_f16(row + 2 * (c + i));
-    } else if constexpr (F == HIPKV_FP8) {
-        for (int i = 0; i < 8; ++i) out[i] = fp8_to_float(row[c + i]);
-    } else if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0) {
-        const uint8_t *p = F == HIPKV_Q8 ? row + c
-                                         : row + (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES +
-                                               2 + c % HIPKV_Q8_0_BLOCK;
-        for (int i = 0; i < 8; ++i) out[i] = (float)(int8_t)p[i];
-    } else if constexpr (format_bits(F) == 4) {
-        const uint8_t *p = row + c / 2;
-        uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-                     ((uint32_t)p[3] << 24);
-        for (int i = 0; i < 8; ++i) out[i] = (float)((w >> (4 * i)) & 15u);
+    using Fmt = Format<F>;
+    constexpr uint32_t bits = format_bits(F);
+    if constexpr (bits == 16) {
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value(load_u16(row + 2 * (c + i)));
+    } else if constexpr (bits == 8) {
+        const uint8_t *p = kParams<F> == ParamsAt::BlockScale ? row + q8_0_code_offset(c) : row + c;
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value(p[i]);
     } else {
-        const uint8_t *p = row + c / 4;
+        // Eight codes in 4 bytes (4-bit) or 2 (2-bit).
+        const uint8_t *p = row + c * bits / 8;
         uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-        for (int i = 0; i < 8; ++i) out[i] = (float)((w >> (2 * i)) & 3u);
+        if constexpr (bits == 4) w |= ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value((w >> (bits * i)) & ((1u << bits) - 1));
     }
 }
 
@@ -190,19 +277,19 @@ constexpr uint32_t kChunkChannels = 128 / format_bits(F);
 // `codes8` reads them from memory (f16, fp8: the values).
 template <int F>
 HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
-    static_assert(F != HIPKV_Q8_0, "q8_0 rows are not 16-byte aligned");
-    if constexpr (F == HIPKV_F16) {
-        for (int i = 0; i < 8; ++i) out[i] = half_to_float((uint16_t)(b.w[i / 2] >> (16 * (i % 2))));
-    } else if constexpr (F == HIPKV_Q8) {
-        for (int i = 0; i < 8; ++i) out[i] = (float)(int8_t)(b.w[2 * j + i / 4] >> (8 * (i % 4)));
-    } else if constexpr (F == HIPKV_FP8) {
-        fp8x4(b.w[2 * j], out);
-        fp8x4(b.w[2 * j + 1], out + 4);
-    } else if constexpr (format_bits(F) == 4) {
-        for (int i = 0; i < 8; ++i) out[i] = (float)((b.w[j] >> (4 * i)) & 15u);
+    static_assert(kParams<F> != ParamsAt::BlockScale, "q8_0 rows are not 16-byte aligned");
+    using Fmt = Format<F>;
+    constexpr uint32_t bits = format_bits(F);
+    if constexpr (bits == 16) {
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value(b.w[i / 2] >> (16 * (i % 2)));
+    } else if constexpr (bits == 8) {
+        Fmt::values4(b.w[2 * j], out);
+        Fmt::values4(b.w[2 * j + 1], out + 4);
+    } else if constexpr (bits == 4) {
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value((b.w[j] >> (4 * i)) & 15u);
     } else {
         const uint32_t half = b.w[j / 2] >> (16 * (j % 2));
-        for (int i = 0; i < 8; ++i) out[i] = (float)((half >> (2 * i)) & 3u);
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value((half >> (2 * i)) & 3u);
     }
 }
 
@@ -212,7 +299,7 @@ HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
 // them; not q8_0. Rows are 16-byte aligned (`docs/formats.md`).
 template <int F, int N>
 HIPKV_DEV void lane_codes(const uint8_t *row, uint32_t c0, float out[N]) {
-    static_assert(F != HIPKV_Q8_0, "q8_0 rows are not aligned");
+    static_assert(kParams<F> != ParamsAt::BlockScale, "q8_0 rows are not aligned");
     constexpr uint32_t bits = format_bits(F), total = N * bits;
     static_assert(total <= 128, "at most 16 bytes per lane");
     uint32_t w[4];
@@ -225,15 +312,7 @@ HIPKV_DEV void lane_codes(const uint8_t *row, uint32_t c0, float out[N]) {
     }
     constexpr uint32_t mask = bits == 32 ? 0xffffffffu : (1u << bits) - 1u;
     for (int i = 0; i < N; ++i) {
-        const uint32_t code = (w[i * bits / 32] >> (i * bits % 32)) & mask;
-        if constexpr (F == HIPKV_F16)
-            out[i] = half_to_float((uint16_t)code);
-        else if constexpr (F == HIPKV_Q8)
-            out[i] = (float)(int8_t)code;
-        else if constexpr (F == HIPKV_FP8)
-            out[i] = fp8_to_float(code);
-        else
-            out[i] = (float)code;
+        out[i] = Format<F>::value((w[i * bits / 32] >> (i * bits % 32)) & mask);
     }
 }
 #endif
@@ -241,18 +320,14 @@ HIPKV_DEV void lane_codes(const uint8_t *row, uint32_t c0, float out[N]) {
 // The raw code (f16, fp8: value) of channel c of one row (for outlier corrections).
 template <int F>
 HIPKV_HD float code1(const uint8_t *row, uint32_t c) {
-    if constexpr (F == HIPKV_F16) {
-        return load_f16(row + 2 * c);
-    } else if constexpr (F == HIPKV_Q8) {
-        return (float)(int8_t)row[c];
-    } else if constexpr (F == HIPKV_FP8) {
-        return fp8_to_float(row[c]);
-    } else if constexpr (F == HIPKV_Q8_0) {
-        return (float)(int8_t)row[(c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES + 2 +
-                                  c % HIPKV_Q8_0_BLOCK];
+    constexpr uint32_t bits = format_bits(F);
+    if constexpr (bits == 16) {
+        return Format<F>::value(load_u16(row + 2 * c));
+    } else if constexpr (bits == 8) {
+        return Format<F>::value(row[kParams<F> == ParamsAt::BlockScale ? q8_0_code_offset(c) : c]);
     } else {
-        constexpr uint32_t bits = format_bits(F), per = 8 / bits;
-        return (float)((row[c / per] >> ((c % per) * bits)) & ((1u << bits) - 1));
+        constexpr uint32_t per = 8 / bits;
+        return Format<F>::value((row[c / per] >> ((c % per) * bits)) & ((1u << bits) - 1));
     }
 }
 
@@ -269,16 +344,17 @@ HIPKV_HD void element_params(const uint8_t *row, const uint8_t *params, uint32_t
                              uint32_t head_dim, uint32_t group, float *scale, float *min) {
     *min = 0.0f;
     *scale = 1.0f;
-    if constexpr (F == HIPKV_Q8 || F == HIPKV_FP8) {
+    constexpr ParamsAt at = kParams<F>;
+    if constexpr (at == ParamsAt::TokenScale) {
         *scale = load_f16(params + 2 * t);
-    } else if constexpr (F == HIPKV_Q8_0) {
+    } else if constexpr (at == ParamsAt::BlockScale) {
         *scale = q8_0_scale(row, c);
-    } else if constexpr (format_is_tok(F)) {
+    } else if constexpr (at == ParamsAt::TokenGroups) {
         const uint32_t shift = log2_pow2(group);
         const uint8_t *p = params + 4 * (t * (head_dim >> shift) + (c >> shift));
         *scale = load_f16(p);
         *min = load_f16(p + 2);
-    } else if constexpr (format_is_chan(F)) {
+    } else if constexpr (at == ParamsAt::Channels) {
         *scale = load_f16(params + 4 * c);
         *min = load_f16(params + 4 * c + 2);
     }
@@ -292,8 +368,8 @@ HIPKV_HD float dequant1(const uint8_t *row, const uint8_t *params, uint32_t t, u
     float scale, min;
     element_params<F>(row, params, t, c, head_dim, group, &scale, &min);
     float code = code1<F>(row, c);
-    if constexpr (F == HIPKV_F16) return code;
-    if constexpr (F == HIPKV_Q8 || F == HIPKV_Q8_0 || F == HIPKV_FP8) return scale * code;
+    if constexpr (kParams<F> == ParamsAt::None) return code;
+    if constexpr (!format_has_levels(F)) return scale * code;
     if (levels != nullptr) code = levels[(uint32_t)code];
     return min + scale * code;
 }
