@@ -83,23 +83,58 @@ fn the_capital_of_france_is_paris() {
     let paris = tok.encode(" Paris").unwrap();
     assert_eq!(paris.len(), 1, "\" Paris\" is one token: {paris:?}");
 
-    let scheme = "f16".parse().unwrap();
-    let mut cache = CacheAttention::new(&cfg, scheme, 64).unwrap();
-    let (id, p) = top(&model.forward(&ids, &mut cache).unwrap(), cfg.vocab);
-    eprintln!("f16 cache: {:?} p = {p:.4}", tok.decode(&[id]).unwrap());
+    let (id, p) = next_token_cache_and_dense(model, tok, &ids, 2);
     assert_eq!(id, paris[0], "top token {:?}", tok.decode(&[id]).unwrap());
     assert!(
         (0.72..0.82).contains(&p),
         "p(\" Paris\") = {p}, expected about 0.77"
     );
+}
 
-    // The same prompt with plain f32 attention, no hipkv cache, in two chunks.
+/// The most likely token after `ids` and its probability through an f16 cache, checked against
+/// plain f32 attention (no hipkv cache) run in two chunks split at `split`.
+fn next_token_cache_and_dense(
+    model: &Model,
+    tok: &Tokenizer,
+    ids: &[u32],
+    split: usize,
+) -> (u32, f64) {
+    let cfg = *model.config();
+    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 64).unwrap();
+    let (id, p) = top(&model.forward(ids, &mut cache).unwrap(), cfg.vocab);
+    eprintln!("f16 cache: {:?} p = {p:.4}", tok.decode(&[id]).unwrap());
     let mut dense = DenseAttention::new(&cfg, 64);
-    model.forward(&ids[..2], &mut dense).unwrap();
-    let (id2, p2) = top(&model.forward(&ids[2..], &mut dense).unwrap(), cfg.vocab);
+    model.forward(&ids[..split], &mut dense).unwrap();
+    let (id2, p2) = top(
+        &model.forward(&ids[split..], &mut dense).unwrap(),
+        cfg.vocab,
+    );
     eprintln!("dense f32 attention: p = {p2:.4}");
     assert_eq!(id2, id);
     assert!((p - p2).abs() < 0.01, "f16 cache {p} vs dense {p2}");
+    (id, p)
+}
+
+/// The largest logit difference between an f16 cache and dense f32 attention over the text's
+/// first `n` tokens, prefilled in chunks of 40.
+fn chunked_prefill_difference(model: &Model, tok: &Tokenizer, n: usize) -> f32 {
+    let cfg = *model.config();
+    let ids = &tok.encode(eval::CORPUS).unwrap()[..n];
+    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), n).unwrap();
+    let mut dense = DenseAttention::new(&cfg, n);
+    let run = |a: &mut dyn Attention| -> Vec<f32> {
+        ids.chunks(40)
+            .flat_map(|c| model.forward(c, a).unwrap())
+            .collect()
+    };
+    let (x, y) = (run(&mut cache), run(&mut dense));
+    let worst = x
+        .iter()
+        .zip(&y)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    eprintln!("largest logit difference over {n} tokens: {worst}");
+    worst
 }
 
 #[test]
@@ -115,21 +150,7 @@ fn the_tokenizer_round_trips_the_corpus_and_it_is_long_enough() {
 #[test]
 fn chunked_prefill_through_the_cache_matches_dense_attention() {
     let Some((model, tok)) = model() else { return };
-    let cfg = *model.config();
-    let ids = &tok.encode(eval::CORPUS).unwrap()[..96];
-    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 96).unwrap();
-    let mut dense = DenseAttention::new(&cfg, 96);
-    let run = |a: &mut dyn Attention| -> Vec<f32> {
-        ids.chunks(40)
-            .flat_map(|c| model.forward(c, a).unwrap())
-            .collect()
-    };
-    let (x, y) = (run(&mut cache), run(&mut dense));
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let worst = chunked_prefill_difference(model, tok, 96);
     // f16 storage of K and V against f32: logits agree to a few hundredths.
     assert!(worst < 0.1, "largest logit difference {worst}");
 }
@@ -290,7 +311,6 @@ fn gemma3_reads_its_shape_and_layer_pattern() {
 #[test]
 fn gemma3_the_capital_of_germany_is_berlin() {
     let Some((model, tok)) = gemma3() else { return };
-    let cfg = *model.config();
     let ids = tok
         .encode("The capital of France is Paris. The capital of Germany is")
         .unwrap();
@@ -298,22 +318,12 @@ fn gemma3_the_capital_of_germany_is_berlin() {
     let berlin = tok.encode(" Berlin").unwrap();
     assert_eq!(berlin.len(), 2, "<bos> and \" Berlin\": {berlin:?}");
 
-    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 64).unwrap();
-    let (id, p) = top(&model.forward(&ids, &mut cache).unwrap(), cfg.vocab);
-    eprintln!("f16 cache: {:?} p = {p:.4}", tok.decode(&[id]).unwrap());
+    let (id, p) = next_token_cache_and_dense(model, tok, &ids, 3);
     assert_eq!(id, berlin[1], "top token {:?}", tok.decode(&[id]).unwrap());
     assert!(
         (0.78..0.88).contains(&p),
         "p(\" Berlin\") = {p}, expected about 0.83"
     );
-
-    // The same with plain f32 attention in two chunks.
-    let mut dense = DenseAttention::new(&cfg, 64);
-    model.forward(&ids[..3], &mut dense).unwrap();
-    let (id2, p2) = top(&model.forward(&ids[3..], &mut dense).unwrap(), cfg.vocab);
-    eprintln!("dense f32 attention: p = {p2:.4}");
-    assert_eq!(id2, id);
-    assert!((p - p2).abs() < 0.01, "f16 cache {p} vs dense {p2}");
 }
 
 #[test]
@@ -335,21 +345,9 @@ fn gemma3_tokenizer_round_trips_the_corpus() {
 fn gemma3_chunked_prefill_matches_dense_attention_within_the_window() {
     let Some((model, tok)) = gemma3() else { return };
     let cfg = *model.config();
-    let ids = &tok.encode(eval::CORPUS).unwrap()[..96];
-    let mut cache = CacheAttention::new(&cfg, "f16".parse().unwrap(), 96).unwrap();
-    let mut dense = DenseAttention::new(&cfg, 96);
-    let run = |a: &mut dyn Attention| -> Vec<f32> {
-        ids.chunks(40)
-            .flat_map(|c| model.forward(c, a).unwrap())
-            .collect()
-    };
-    let (x, y) = (run(&mut cache), run(&mut dense));
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
-    assert!(worst < 0.25, "largest logit difference {worst}");
+    let worst = chunked_prefill_difference(model, tok, 96);
+    // As for SmolLM2: f16 storage against f32 moves logits by a few hundredths.
+    assert!(worst < 0.1, "largest logit difference {worst}");
     assert!(matches!(
         CacheAttention::new(&cfg, "f16".parse().unwrap(), 513),
         Err(EvalError::BeyondWindow {
