@@ -279,16 +279,17 @@ impl KvCache {
 
     /// Sets every layer's outlier thresholds and codebooks from `c` (a calibration file, or
     /// another cache's [`calibration`](Self::calibration)): its scheme and shape must be this
-    /// cache's, and every layer must hold what the scheme needs. Checked before anything is set.
+    /// cache's, and every layer must hold what the scheme needs. Checked, and copied to the
+    /// device, before anything is set: on an error the cache is as it was.
     pub fn apply_calibration(&mut self, c: &Calibration) -> Result<()> {
-        let cfg = self.config;
-        c.check_fits(cfg.scheme, cfg.layers, cfg.kv_heads, cfg.head_dim)?;
-        for (l, layer) in c.layers.iter().enumerate() {
-            if let Some((k, v)) = &layer.outliers {
-                self.set_outlier_thresholds(l, k.clone(), v.clone())?;
+        // The paged cache checks it all and sets nothing unless every layer's copy is made.
+        self.paged.apply_calibration(c)?;
+        for (mine, theirs) in self.layers.iter_mut().zip(&c.layers) {
+            if theirs.outliers.is_some() {
+                mine.outliers = theirs.outliers.clone();
             }
-            if let Some((k, v)) = &layer.codebooks {
-                self.set_codebooks(l, k.clone(), v.clone())?;
+            if theirs.codebooks.is_some() {
+                mine.codebooks = theirs.codebooks.clone();
             }
         }
         Ok(())

@@ -86,8 +86,9 @@ impl Calibration {
     }
 
     /// Checks that this calibration is for `scheme` and the shape of a cache (`layers` ×
-    /// `kv_heads` × `head_dim`), that every layer has exactly the items the scheme needs, and
-    /// that its thresholds are valid: what a cache checks before setting any of it.
+    /// `kv_heads` × `head_dim`), that every layer has exactly the items the scheme needs
+    /// (codebooks of its streams' code widths), and that its thresholds are valid: what a cache
+    /// checks before setting any of it.
     pub fn check_fits(
         &self,
         scheme: Scheme,
@@ -116,8 +117,13 @@ impl Calibration {
                 _ => false,
             };
             let wants = |s| scheme.nuq.applies(s);
+            // A stream's codebook, when the scheme wants one, is of its codes' width.
+            let book_fits = |stream, book: &Option<Codebook>| match book {
+                Some(b) => wants(stream) && scheme.low_bits(stream) == Some(b.bits()),
+                None => !wants(stream),
+            };
             let books_fit = match &layer.codebooks {
-                Some((k, v)) => (k.is_some(), v.is_some()) == (wants(Stream::K), wants(Stream::V)),
+                Some((k, v)) => book_fits(Stream::K, k) && book_fits(Stream::V, v),
                 None => scheme.nuq == StreamSet::None,
             };
             if !(outliers_fit && books_fit) {

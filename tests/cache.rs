@@ -1372,9 +1372,25 @@ fn calibrations_carry_over_through_their_text() {
         other.apply_calibration(&wrong),
         Err(Error::Shape { .. })
     ));
+    // A codebook of the wrong width (4-bit levels for 2-bit codes) in the last layer: refused
+    // before layer 0's items are set, as the setters alone would refuse it.
+    let mut wrong = parsed.clone();
+    let four_bit = Codebook::new(
+        LowBits::Four,
+        &(0..16).map(|i| i as f32).collect::<Vec<_>>(),
+    );
+    wrong.layers[1].codebooks.as_mut().unwrap().0 = Some(four_bit.unwrap());
+    assert_eq!(
+        other.apply_calibration(&wrong),
+        Err(Error::CalibrationIncomplete {
+            layer: 1,
+            scheme: name.into()
+        })
+    );
     // Nothing was set: layer 0 still has neither thresholds nor codebooks.
     assert_eq!(
         other.append(0, 0, &k[..128], &v[..128]),
         Err(Error::OutliersNotCalibrated { layer: 0 })
     );
+    assert_eq!(other.calibration().layers[0], Default::default());
 }

@@ -297,8 +297,19 @@ impl PagedCache {
         for t in std::iter::once(k).chain(v) {
             t.validate(h, d)?;
         }
+        let set = self.upload_thresholds(k, v)?;
+        self.thresholds[layer] = Some(set);
+        Ok(())
+    }
+
+    /// Device copies of checked thresholds.
+    fn upload_thresholds(
+        &self,
+        k: &OutlierThresholds,
+        v: Option<&OutlierThresholds>,
+    ) -> Result<Thresholds> {
         let upload = |t: &OutlierThresholds| -> Result<DeviceMemory> {
-            let n = h * d * 4;
+            let n = t.lo.len() * 4;
             let mem = self.engine.alloc(2 * n)?;
             self.engine
                 .upload(&mem, 0, as_bytes(&t.lo), StreamHandle::DEFAULT)?;
@@ -306,12 +317,10 @@ impl PagedCache {
                 .upload(&mem, n, as_bytes(&t.hi), StreamHandle::DEFAULT)?;
             Ok(mem)
         };
-        let set = Thresholds {
+        Ok(Thresholds {
             k: upload(k)?,
             v: v.map(upload).transpose()?,
-        };
-        self.thresholds[layer] = Some(set);
-        Ok(())
+        })
     }
 
     /// Whether `layer` has the outlier thresholds its scheme needs.
@@ -329,6 +338,18 @@ impl PagedCache {
         v: Option<&Codebook>,
     ) -> Result<()> {
         self.check_layer(layer)?;
+        let books = self.upload_codebooks(k, v)?;
+        self.codebooks[layer] = Some(books);
+        Ok(())
+    }
+
+    /// A device copy of a layer's codebooks (K's levels, then V's, `MAX_LEVELS` each), checked
+    /// against the scheme.
+    fn upload_codebooks(
+        &self,
+        k: Option<&Codebook>,
+        v: Option<&Codebook>,
+    ) -> Result<LayerCodebooks> {
         let scheme = self.layout.scheme();
         let mut levels = [0f32; 2 * MAX_LEVELS];
         for (i, (stream, book)) in [(Stream::K, k), (Stream::V, v)].into_iter().enumerate() {
@@ -352,11 +373,10 @@ impl PagedCache {
         let mem = self.engine.alloc(size_of_val(&levels))?;
         self.engine
             .upload(&mem, 0, as_bytes(&levels), StreamHandle::DEFAULT)?;
-        self.codebooks[layer] = Some(LayerCodebooks {
+        Ok(LayerCodebooks {
             mem,
             books: [k.cloned(), v.cloned()],
-        });
-        Ok(())
+        })
     }
 
     /// Sets every layer's outlier thresholds and codebooks from a calibration made for this
@@ -365,12 +385,31 @@ impl PagedCache {
     pub fn apply_calibration(&mut self, c: &Calibration) -> Result<()> {
         let spec = *self.layout.spec();
         c.check_fits(spec.scheme, self.layers, spec.kv_heads, spec.head_dim)?;
-        for (l, layer) in c.layers.iter().enumerate() {
-            if let Some((k, v)) = &layer.outliers {
-                self.set_outlier_thresholds(l, k, v.as_ref())?;
+        // Every layer's device copies first: a failed allocation or upload leaves the cache as
+        // it was.
+        let staged = c
+            .layers
+            .iter()
+            .map(|layer| {
+                let thresholds = layer
+                    .outliers
+                    .as_ref()
+                    .map(|(k, v)| self.upload_thresholds(k, v.as_ref()))
+                    .transpose()?;
+                let books = layer
+                    .codebooks
+                    .as_ref()
+                    .map(|(k, v)| self.upload_codebooks(k.as_ref(), v.as_ref()))
+                    .transpose()?;
+                Ok((thresholds, books))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (l, (thresholds, books)) in staged.into_iter().enumerate() {
+            if thresholds.is_some() {
+                self.thresholds[l] = thresholds;
             }
-            if let Some((k, v)) = &layer.codebooks {
-                self.set_codebooks(l, k.as_ref(), v.as_ref())?;
+            if books.is_some() {
+                self.codebooks[l] = books;
             }
         }
         Ok(())
