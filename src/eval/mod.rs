@@ -1,12 +1,12 @@
 //! `hipkv eval`: what each KV-cache scheme costs on a real model.
 //!
-//! A Llama-family GGUF model ([`Model`]) runs on the CPU over a text, once with an `f16` cache
-//! (the baseline P) and once per scheme under test (Q), every layer's K and V going through a
-//! [`KvCache`] in that scheme. Tokens arrive in chunks as an engine prefills them: each chunk is
-//! appended to the cache first and then attends to it, so every past token (and the chunk's own)
-//! is read back in its stored form. Per scheme: mean and 99th-percentile KL(P‖Q) over the full
-//! vocabulary, top-1 agreement, ΔNLL and perplexity on the text's next tokens, bytes per token,
-//! and KL by context depth.
+//! A Llama-family or Gemma-3 GGUF model ([`Model`]) runs on the CPU over a text, once with an
+//! `f16` cache (the baseline P) and once per scheme under test (Q), every layer's K and V going
+//! through a [`KvCache`] in that scheme. Tokens arrive in chunks as an engine prefills them: each
+//! chunk is appended to the cache first and then attends to it, so every past token (and the
+//! chunk's own) is read back in its stored form. Per scheme: mean KL(P‖Q) over the full
+//! vocabulary with its standard error, its 99th percentile, top-1 agreement, ΔNLL and perplexity
+//! on the text's next tokens, bytes per token, and KL by context depth.
 
 mod fit;
 mod model;
