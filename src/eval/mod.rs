@@ -121,6 +121,29 @@ pub(crate) fn metadata<'c>(content: &'c Content, key: &str) -> Result<&'c Value,
         })
 }
 
+/// The distinct RoPEs of `model`'s layers, and per layer the index of its RoPE in that list
+/// and its position among the layers that share it.
+fn rope_groups(model: &ModelConfig) -> (Vec<Rope>, Vec<(usize, usize)>) {
+    let mut ropes: Vec<Rope> = Vec::new();
+    let mut layers_of: Vec<usize> = Vec::new();
+    let route = (0..model.layers)
+        .map(|l| {
+            let rope = model.layer_rope(l);
+            let group = match ropes.iter().position(|r| *r == rope) {
+                Some(g) => g,
+                None => {
+                    ropes.push(rope);
+                    layers_of.push(0);
+                    ropes.len() - 1
+                }
+            };
+            layers_of[group] += 1;
+            (group, layers_of[group] - 1)
+        })
+        .collect();
+    (ropes, route)
+}
+
 /// The model's attention through hipkv [`KvCache`]s in one scheme: each chunk's keys and values
 /// are appended (the cache rotates keys by position as the model's RoPE says, and the queries
 /// likewise), then the chunk's queries attend causally over the stored tokens. Layers of one RoPE
@@ -135,8 +158,6 @@ pub(crate) fn metadata<'c>(content: &'c Content, key: &str) -> Result<&'c Value,
 /// (and values, for `outliers=kv`) of the first chunk, just before it is appended; so are the
 /// codebooks of `nuq` schemes, after the thresholds.
 pub struct CacheAttention {
-    scheme: Scheme,
-    capacity: usize,
     /// One cache per distinct RoPE of the model's layers.
     caches: Vec<KvCache>,
     /// Per model layer: its cache and its layer in that cache.
@@ -160,29 +181,13 @@ impl CacheAttention {
                 window,
             });
         }
-        let mut ropes: Vec<Rope> = Vec::new();
-        let mut layers_of: Vec<usize> = Vec::new();
-        let route = (0..model.layers)
-            .map(|l| {
-                let rope = model.layer_rope(l);
-                let cache = match ropes.iter().position(|r| *r == rope) {
-                    Some(c) => c,
-                    None => {
-                        ropes.push(rope);
-                        layers_of.push(0);
-                        ropes.len() - 1
-                    }
-                };
-                layers_of[cache] += 1;
-                (cache, layers_of[cache] - 1)
-            })
-            .collect();
+        let (ropes, route) = rope_groups(model);
         let caches = ropes
             .iter()
-            .zip(&layers_of)
-            .map(|(&rope, &layers)| {
+            .enumerate()
+            .map(|(i, &rope)| {
                 KvCache::new(CacheConfig {
-                    layers,
+                    layers: route.iter().filter(|&&(cache, _)| cache == i).count(),
                     sequences: 1,
                     kv_heads: model.kv_heads,
                     q_heads: model.q_heads,
@@ -194,8 +199,6 @@ impl CacheAttention {
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(CacheAttention {
-            scheme,
-            capacity,
             caches,
             route,
             calibrated: vec![false; model.layers],
@@ -207,7 +210,7 @@ impl CacheAttention {
     /// first chunk.
     pub fn apply_calibration(&mut self, c: &Calibration) -> Result<(), EvalError> {
         let cfg = self.caches[0].config();
-        c.check_fits(self.scheme, self.route.len(), cfg.kv_heads, cfg.head_dim)?;
+        c.check_fits(cfg.scheme, self.route.len(), cfg.kv_heads, cfg.head_dim)?;
         for (i, cache) in self.caches.iter_mut().enumerate() {
             let layers = self
                 .route
@@ -239,12 +242,12 @@ impl CacheAttention {
     }
 
     pub fn scheme(&self) -> Scheme {
-        self.scheme
+        self.caches[0].config().scheme
     }
 
     /// Tokens the caches hold at most.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.caches[0].config().capacity
     }
 
     /// Outliers that found no slot, over all layers ([`KvCache::outliers_dropped`]).
@@ -297,8 +300,10 @@ impl Attention for CacheAttention {
 /// reference that checks the model's forward pass independently of hipkv (tests).
 pub struct DenseAttention {
     config: ModelConfig,
-    /// Per layer.
-    rope: Vec<RopeTable>,
+    /// One table per distinct RoPE of the model's layers.
+    ropes: Vec<RopeTable>,
+    /// Per layer: its table.
+    rope_of: Vec<usize>,
     capacity: usize,
     /// Per layer: rotated keys and values so far, `tokens × kv_heads × head_dim`.
     k: Vec<Vec<f32>>,
@@ -307,11 +312,14 @@ pub struct DenseAttention {
 
 impl DenseAttention {
     pub fn new(model: &ModelConfig, capacity: usize) -> DenseAttention {
+        let (ropes, route) = rope_groups(model);
         DenseAttention {
             config: *model,
-            rope: (0..model.layers)
-                .map(|l| RopeTable::new(model.layer_rope(l), model.head_dim, capacity))
+            ropes: ropes
+                .into_iter()
+                .map(|rope| RopeTable::new(rope, model.head_dim, capacity))
                 .collect(),
+            rope_of: route.into_iter().map(|(group, _)| group).collect(),
             capacity,
             k: vec![Vec::new(); model.layers],
             v: vec![Vec::new(); model.layers],
@@ -340,7 +348,7 @@ impl Attention for DenseAttention {
                 context: self.capacity,
             });
         }
-        let rope = &self.rope[layer];
+        let rope = &self.ropes[self.rope_of[layer]];
         let mut k = k.to_vec();
         for (t, token) in k.chunks_exact_mut(kv_width).enumerate() {
             token

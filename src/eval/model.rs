@@ -111,71 +111,101 @@ pub trait Attention {
     ) -> Result<(), EvalError>;
 }
 
-fn usize_key(content: &Content, key: &str) -> Result<usize, EvalError> {
-    let v = metadata(content, key)?;
-    let n = v
-        .to_u32()
-        .map(u64::from)
-        .or_else(|_| v.to_u64())
-        .map_err(EvalError::Gguf)?;
-    Ok(n as usize)
+/// The `<arch>.*` keys of a GGUF header, named as llama.cpp's conversions name them.
+struct ArchKeys<'c> {
+    content: &'c Content,
+    /// `general.architecture`.
+    arch: String,
 }
 
-fn f32_key(content: &Content, key: &str) -> Result<f32, EvalError> {
-    metadata(content, key)?.to_f32().map_err(EvalError::Gguf)
-}
-
-impl ModelConfig {
-    /// Reads the `<arch>.*` keys of a GGUF file and checks that this module can run the model.
-    pub fn from_gguf(content: &Content) -> Result<ModelConfig, EvalError> {
+impl<'c> ArchKeys<'c> {
+    fn new(content: &'c Content) -> Result<ArchKeys<'c>, EvalError> {
         let arch = metadata(content, "general.architecture")?
             .to_string()
+            .map_err(EvalError::Gguf)?
+            .clone();
+        Ok(ArchKeys { content, arch })
+    }
+
+    fn key(&self, name: &str) -> String {
+        format!("{}.{name}", self.arch)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.content.metadata.contains_key(&self.key(name))
+    }
+
+    fn usize(&self, name: &str) -> Result<usize, EvalError> {
+        let v = metadata(self.content, &self.key(name))?;
+        let n = v
+            .to_u32()
+            .map(u64::from)
+            .or_else(|_| v.to_u64())
             .map_err(EvalError::Gguf)?;
-        let architecture = match arch.as_str() {
-            "llama" => Architecture::Llama,
-            "gemma3" => Architecture::Gemma3,
-            _ => {
-                return Err(EvalError::UnsupportedModel {
-                    what: "general.architecture (llama or gemma3)",
-                    value: arch.clone(),
-                });
-            }
-        };
-        let key = |name: &str| format!("{arch}.{name}");
-        let optional = |name: &str| {
-            content
-                .metadata
-                .contains_key(&key(name))
-                .then(|| usize_key(content, &key(name)))
-                .transpose()
-        };
-        let hidden = usize_key(content, &key("embedding_length"))?;
-        let q_heads = usize_key(content, &key("attention.head_count"))?;
-        let kv_heads = optional("attention.head_count_kv")?.unwrap_or(q_heads);
-        let vocab = match optional("vocab_size")? {
-            Some(n) => n,
-            None => metadata(content, "tokenizer.ggml.tokens")?
-                .to_vec()
-                .map_err(EvalError::Gguf)?
-                .len(),
-        };
+        Ok(n as usize)
+    }
+
+    fn optional(&self, name: &str) -> Result<Option<usize>, EvalError> {
+        self.contains(name).then(|| self.usize(name)).transpose()
+    }
+
+    fn f32(&self, name: &str) -> Result<f32, EvalError> {
+        metadata(self.content, &self.key(name))?
+            .to_f32()
+            .map_err(EvalError::Gguf)
+    }
+
+    /// Query heads, KV heads (the query heads when the file does not say: no GQA) and head_dim
+    /// (`attention.key_length`, or else the embedding over the query heads).
+    fn attention_shape(&self) -> Result<(usize, usize, usize), EvalError> {
+        let q_heads = self.usize("attention.head_count")?;
+        let kv_heads = self.optional("attention.head_count_kv")?.unwrap_or(q_heads);
         if q_heads == 0 || kv_heads == 0 || q_heads % kv_heads != 0 {
             return Err(EvalError::UnsupportedModel {
                 what: "head counts (query heads a multiple of KV heads)",
                 value: format!("{q_heads} query heads, {kv_heads} KV heads"),
             });
         }
-        let head_dim = match optional("attention.key_length")? {
+        let head_dim = match self.optional("attention.key_length")? {
             Some(d) => d,
-            None if hidden % q_heads == 0 => hidden / q_heads,
             None => {
+                let hidden = self.usize("embedding_length")?;
+                if hidden % q_heads != 0 {
+                    return Err(EvalError::UnsupportedModel {
+                        what: "head_dim (no key_length, and hidden not a multiple of the query heads)",
+                        value: format!("hidden {hidden}, {q_heads} query heads"),
+                    });
+                }
+                hidden / q_heads
+            }
+        };
+        Ok((q_heads, kv_heads, head_dim))
+    }
+}
+
+impl ModelConfig {
+    /// Reads the `<arch>.*` keys of a GGUF file and checks that this module can run the model.
+    pub fn from_gguf(content: &Content) -> Result<ModelConfig, EvalError> {
+        let keys = ArchKeys::new(content)?;
+        let architecture = match keys.arch.as_str() {
+            "llama" => Architecture::Llama,
+            "gemma3" => Architecture::Gemma3,
+            _ => {
                 return Err(EvalError::UnsupportedModel {
-                    what: "head_dim (no key_length, and hidden not a multiple of the query heads)",
-                    value: format!("hidden {hidden}, {q_heads} query heads"),
+                    what: "general.architecture (llama or gemma3)",
+                    value: keys.arch.clone(),
                 });
             }
         };
-        if let Some(v) = optional("attention.value_length")?
+        let (q_heads, kv_heads, head_dim) = keys.attention_shape()?;
+        let vocab = match keys.optional("vocab_size")? {
+            Some(n) => n,
+            None => metadata(content, "tokenizer.ggml.tokens")?
+                .to_vec()
+                .map_err(EvalError::Gguf)?
+                .len(),
+        };
+        if let Some(v) = keys.optional("attention.value_length")?
             && v != head_dim
         {
             return Err(EvalError::UnsupportedModel {
@@ -185,26 +215,27 @@ impl ModelConfig {
         }
         let sliding_window = match architecture {
             Architecture::Llama => None,
-            Architecture::Gemma3 => Some(usize_key(content, &key("attention.sliding_window"))?),
+            Architecture::Gemma3 => Some(keys.usize("attention.sliding_window")?),
         };
         let config = ModelConfig {
             architecture,
-            layers: usize_key(content, &key("block_count"))?,
-            hidden,
-            ffn: usize_key(content, &key("feed_forward_length"))?,
+            layers: keys.usize("block_count")?,
+            hidden: keys.usize("embedding_length")?,
+            ffn: keys.usize("feed_forward_length")?,
             q_heads,
             kv_heads,
             head_dim,
             vocab,
-            context: usize_key(content, &key("context_length"))?,
-            rms_eps: f32_key(content, &key("attention.layer_norm_rms_epsilon"))?,
-            rope_base: match content.metadata.get(&key("rope.freq_base")) {
-                Some(_) => f32_key(content, &key("rope.freq_base"))?,
-                None => 10_000.0,
+            context: keys.usize("context_length")?,
+            rms_eps: keys.f32("attention.layer_norm_rms_epsilon")?,
+            rope_base: if keys.contains("rope.freq_base") {
+                keys.f32("rope.freq_base")?
+            } else {
+                10_000.0
             },
             sliding_window,
         };
-        if let Some(dims) = optional("rope.dimension_count")?
+        if let Some(dims) = keys.optional("rope.dimension_count")?
             && dims != head_dim
         {
             return Err(EvalError::UnsupportedModel {
@@ -217,10 +248,10 @@ impl ModelConfig {
             "rope.scaling.factor",
             "final_logit_softcapping",
         ] {
-            if let Some(v) = content.metadata.get(&key(name)) {
+            if let Some(v) = content.metadata.get(&keys.key(name)) {
                 return Err(EvalError::UnsupportedModel {
                     what: "RoPE scaling or logit soft-capping (neither is implemented)",
-                    value: format!("{}: {v:?}", key(name)),
+                    value: format!("{}: {v:?}", keys.key(name)),
                 });
             }
         }
@@ -366,26 +397,10 @@ pub struct ModelSummary {
 /// the weights.
 pub fn inspect(path: &Path) -> Result<ModelSummary, EvalError> {
     let (content, _) = open_gguf(path)?;
-    let architecture = metadata(&content, "general.architecture")?
-        .to_string()
-        .map_err(EvalError::Gguf)?
-        .clone();
-    let key = |name: &str| format!("{architecture}.{name}");
-    let optional = |name: &str| {
-        content
-            .metadata
-            .contains_key(&key(name))
-            .then(|| usize_key(&content, &key(name)))
-            .transpose()
-    };
-    let q_heads = usize_key(&content, &key("attention.head_count"))?;
-    let kv_heads = optional("attention.head_count_kv")?.unwrap_or(q_heads);
-    let head_dim = match optional("attention.key_length")? {
-        Some(d) => d,
-        None => usize_key(&content, &key("embedding_length"))? / q_heads.max(1),
-    };
+    let keys = ArchKeys::new(&content)?;
+    let (_, kv_heads, head_dim) = keys.attention_shape()?;
     let shape = KvShape {
-        layers: usize_key(&content, &key("block_count"))?,
+        layers: keys.usize("block_count")?,
         kv_heads,
         head_dim,
     };
@@ -398,8 +413,8 @@ pub fn inspect(path: &Path) -> Result<ModelSummary, EvalError> {
         })
         .sum();
     Ok(ModelSummary {
-        sliding_window: optional("attention.sliding_window")?,
-        architecture,
+        sliding_window: keys.optional("attention.sliding_window")?,
+        architecture: keys.arch,
         shape,
         weight_bytes,
     })

@@ -27,6 +27,8 @@ pub struct Spm {
     ids: HashMap<String, u32>,
     /// `<0xXX>` token of every byte, indexed by the byte.
     bytes: Vec<u32>,
+    /// The byte of every `<0xXX>` token, by id.
+    byte_of: HashMap<u32, u8>,
     /// User-defined tokens, longest text first.
     user_defined: Vec<(String, u32)>,
 }
@@ -99,6 +101,7 @@ impl Spm {
                 }
             })
             .collect::<Result<Vec<u32>, _>>()?;
+        let byte_of = (0..=u8::MAX).zip(&bytes).map(|(b, &id)| (id, b)).collect();
         let mut user_defined: Vec<(String, u32)> = types
             .iter()
             .enumerate()
@@ -112,6 +115,7 @@ impl Spm {
             scores,
             ids,
             bytes,
+            byte_of,
             user_defined,
         })
     }
@@ -222,8 +226,8 @@ impl Spm {
                     token: id as usize,
                     vocab: self.tokens.len(),
                 })?;
-            match self.bytes.iter().position(|&b| b == id) {
-                Some(b) => bytes.push(b as u8),
+            match self.byte_of.get(&id) {
+                Some(&b) => bytes.push(b),
                 None => bytes.extend_from_slice(token.replace(SPACE, " ").as_bytes()),
             }
         }
