@@ -373,6 +373,7 @@ pub fn run(setup: &Setup) -> Result<Summary, String> {
                 max_blocks_per_seq: width,
                 dtype: DTYPE,
                 softmax_scale: 0.125,
+                window: None,
                 q: staging.put(&paged, 5, &f16_bytes(&q)).map_err(e)?,
                 out: staging.buffers[6].addr(),
                 query_start_loc: staging

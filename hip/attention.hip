@@ -393,19 +393,30 @@ HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const
     } else {
         for (int r = 0; r < kRows<D>; ++r) s[r] = kNegInf;
     }
+    // Row r's first visible position, minus the run's: window_base + its step (far below 0
+    // without a window; the host passes a window below max_positions, so nothing wraps).
+    const int32_t window_base =
+        p.window == 0 ? INT32_MIN / 2 : (int32_t)(w.first_limit - p.window - run_pos);
     wave_sync();  // the previous run's weights have been read
     for (int r = 0; r < kRows<D>; ++r) {
         if ((uint32_t)r >= w.n) continue;
         // Causal: a row sees the positions up to its own token's, the run's first `cut` lanes
-        // (a wave-uniform count, so the mask costs one compare with the lane id).
-        const uint32_t limit = w.first_limit + ((w.steps >> (3 * r)) & 7u);
+        // (a wave-uniform count, so the mask costs a compare with the lane id).
+        const uint32_t step = (w.steps >> (3 * r)) & 7u;
+        const uint32_t limit = w.first_limit + step;
         const uint32_t seen = limit > run_pos ? limit - run_pos : 0;
         const uint32_t cut = seen < n ? seen : n;
-        const float sr = lane < cut ? s[r] : kNegInf;
+        // A sliding window hides the positions below limit - window, the run's first `skip`
+        // lanes: a row sees lanes [skip, cut), tested with one unsigned compare.
+        const int32_t low = window_base + (int32_t)step;
+        const uint32_t skip = low > 0 ? (uint32_t)low : 0;
+        const uint32_t span = cut > skip ? cut - skip : 0;
+        const bool visible = lane - skip < span;
+        const float sr = visible ? s[r] : kNegInf;
         const float m = fmaxf(st.max[r], uniform(wave_max(sr)));
         // A row that has seen no position yet keeps max -inf: 2^(-inf - -inf) would be NaN.
         const float alpha = st.max[r] == m ? 1.0f : exp2(st.max[r] - m);
-        const float e = lane < cut ? exp2(sr - m) : 0.0f;
+        const float e = visible ? exp2(sr - m) : 0.0f;
         st.sum[r] = st.sum[r] * alpha + uniform(wave_sum(e));
         st.max[r] = m;
         for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] *= alpha;
@@ -596,8 +607,11 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
     // This wave's part of the LDS at a scalar offset, which its accesses take as a constant.
     float(*wave_weights)[HIPKV_WAVE] = weights[(uint32_t)uniform_u32(wave)];
 
+    // The first position the wave's first row sees (its rows' lowest), within a window.
+    const uint32_t first_seen =
+        p.window != 0 && w.first_limit > p.window ? w.first_limit - p.window : 0;
     const uint32_t sinks = sq.len < g.sinks ? sq.len : g.sinks;
-    if (split == 0 && sinks > 0) {
+    if (split == 0 && sinks > first_seen) {
         const size_t at = (size_t)head * g.sinks * D;
         const uint16_t *sk = reinterpret_cast<const uint16_t *>(sq.state + g.sinks_k) + at;
         const uint16_t *sv = reinterpret_cast<const uint16_t *>(sq.state + g.sinks_v) + at;
@@ -605,9 +619,10 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
                                 0, w, st, acc, wave_weights);
     }
     const uint32_t bt = g.block_tokens;
-    // Blocks this wave's rows see, within this split's.
+    // Blocks this wave's rows see, within this split's: the splits share out the blocks from
+    // the one holding the lowest row's first visible position (the plan makes them enough).
     const uint32_t seen = (max_limit + bt - 1) / bt;
-    const uint32_t begin = split * p.blocks_per_split;
+    const uint32_t begin = first_seen / bt + split * p.blocks_per_split;
     const uint32_t end = begin + p.blocks_per_split < seen ? begin + p.blocks_per_split : seen;
     // The block ids this wave reads, checked up front with a lane per id, so that the loop
     // below holds no check (scalar registers are the kernel's scarcest resource there).

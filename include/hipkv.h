@@ -106,6 +106,9 @@ typedef struct hipkv_query_batch {
     uint32_t max_blocks_per_seq;
     hipkv_dtype dtype;
     float softmax_scale;
+    /* Sliding window: each query token attends to its own position and the window - 1 before
+     * it, and the blocks wholly below are not read (nor their ids checked). 0: every position. */
+    uint32_t window;
     /* tokens x q_heads x head_dim, rotated. */
     const void *q;
     /* Same shape and dtype as q. */

@@ -101,6 +101,8 @@ struct Layer {
     seqs: Vec<Seq>,
     outliers: Option<(OutlierThresholds, Option<OutlierThresholds>)>,
     codebooks: Option<(Option<Codebook>, Option<Codebook>)>,
+    /// The sliding window its queries attend within ([`KvCache::set_sliding_window`]).
+    window: Option<usize>,
 }
 
 /// A quantized KV cache, in host memory (the CPU backend) or device memory (`Hip`, and `Emu`
@@ -168,6 +170,7 @@ impl KvCache {
                     seqs: vec![Seq::default(); config.sequences],
                     outliers: None,
                     codebooks: None,
+                    window: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -245,6 +248,25 @@ impl KvCache {
             }
         }
         Ok(per_head * self.config.kv_heads)
+    }
+
+    /// Makes layer `layer`'s queries attend within a sliding window from now on (Gemma's and
+    /// Mistral's local layers): each to its own position and the `window − 1` before it; `None`
+    /// (the default) to every position. Attention reads only the blocks within the window, but
+    /// the cache still keeps every token: `capacity` bounds the sequence, not the window.
+    pub fn set_sliding_window(&mut self, layer: usize, window: Option<usize>) -> Result<()> {
+        self.check_layer_seq(layer, 0)?;
+        if window == Some(0) {
+            return Err(Error::EmptyWindow);
+        }
+        self.layers[layer].window = window;
+        Ok(())
+    }
+
+    /// The sliding window of layer `layer`'s queries ([`set_sliding_window`](Self::set_sliding_window)).
+    pub fn sliding_window(&self, layer: usize) -> Result<Option<usize>> {
+        self.check_layer_seq(layer, 0)?;
+        Ok(self.layers[layer].window)
     }
 
     /// Sets the outlier thresholds of a layer (`v` only when the scheme stores value outliers).
@@ -848,6 +870,7 @@ impl KvCache {
             max_blocks_per_seq: shape.widest,
             dtype: DType::F32,
             softmax_scale: shape.scale,
+            window: self.layers[layer].window,
             q: a[0],
             out: out_addr,
             query_start_loc: a[1],

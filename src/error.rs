@@ -41,6 +41,8 @@ pub enum Error {
     },
     #[error("softmax scale {0} is not finite")]
     BadSoftmaxScale(f32),
+    #[error("a sliding window of 0 tokens: a query attends at least to its own position")]
+    EmptyWindow,
     #[error(
         "cache full: layer {layer} sequence {seq} holds {len} of {capacity} tokens, {requested} more requested"
     )]

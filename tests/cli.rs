@@ -290,10 +290,10 @@ fn model_file(path: &str) -> Option<std::path::PathBuf> {
     Some(model)
 }
 
-/// Gemma-3 (`scripts/fetch-model.sh gemma3`) is evaluated within its sliding window: by default
-/// 512 tokens, and a longer `--tokens` is refused with the reason.
+/// Gemma-3 (`scripts/fetch-model.sh gemma3`) is evaluated past its 512-token sliding window,
+/// its local layers attending within it.
 #[test]
-fn eval_runs_gemma3_within_its_sliding_window() {
+fn eval_runs_gemma3_past_its_sliding_window() {
     let Some(model) = model_file(hipkv::eval::GEMMA3_MODEL) else {
         return;
     };
@@ -306,18 +306,15 @@ fn eval_runs_gemma3_within_its_sliding_window() {
         "600",
         "--schemes",
         "q8",
+        "--json",
     ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("sliding window of 512"), "{err}");
-    let out = hipkv(&["eval", "--model", model, "--schemes", "q8", "--json"]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["tokens"], 512);
+    assert_eq!(report["tokens"], 600);
     assert_eq!(report["head_dim"], 256);
     let kl = report["schemes"][0]["mean_kl"].as_f64().unwrap();
     assert!(kl > 0.0 && kl < 0.02, "q8 mean KL {kl}");

@@ -302,7 +302,6 @@ fn gemma3_reads_its_shape_and_layer_pattern() {
     assert_eq!(global, [5, 11, 17]);
     let bases: Vec<f32> = [0, 5].map(|l| cfg.layer_rope(l).base).to_vec();
     assert_eq!(bases, [10_000.0, 1_000_000.0]);
-    assert_eq!(cfg.full_attention_context(), 512);
     assert_eq!(tok.vocab_size(), 262_144);
 }
 
@@ -339,22 +338,15 @@ fn gemma3_tokenizer_round_trips_the_corpus() {
     assert_eq!(tok.decode(&ids).unwrap(), odd);
 }
 
-/// Within the sliding window the cache (f16) and dense f32 attention agree over chunks, RoPE of
-/// both kinds of layer included; past it the cache refuses to run, since it has no window mask.
+/// The cache (f16) and dense f32 attention agree over chunks, RoPE of both kinds of layer
+/// included, past the 512-token sliding window of the local layers: 640 tokens in chunks of 40,
+/// so windows start inside blocks and chunks straddle the window's edge.
 #[test]
-fn gemma3_chunked_prefill_matches_dense_attention_within_the_window() {
+fn gemma3_chunked_prefill_matches_dense_attention_past_the_window() {
     let Some((model, tok)) = gemma3() else { return };
-    let cfg = *model.config();
-    let worst = chunked_prefill_difference(model, tok, 96);
+    let worst = chunked_prefill_difference(model, tok, 640);
     // As for SmolLM2: f16 storage against f32 moves logits by a few hundredths.
     assert!(worst < 0.1, "largest logit difference {worst}");
-    assert!(matches!(
-        CacheAttention::new(&cfg, "f16".parse().unwrap(), 513),
-        Err(EvalError::BeyondWindow {
-            tokens: 513,
-            window: 512
-        })
-    ));
 }
 
 /// The eval ranks schemes at head_dim 256 as at 64: q8 near the baseline, per-channel keys

@@ -19,10 +19,16 @@ const TOLERANCE: f32 = 1e-5;
 /// Fills one sequence per entry of `lens`, attends one decode token per sequence on the
 /// emulator, and compares each output row with the reference.
 fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
+    check_windowed(cfg, lens, seed, None);
+}
+
+/// [`check`], the queries attending within a sliding `window`.
+fn check_windowed(cfg: CacheConfig, lens: &[usize], seed: u64, window: Option<usize>) {
     let mut cfg = cfg;
     cfg.sequences = lens.len();
     let mut rng = Rng::new(seed);
     let mut cache = KvCache::new(cfg).unwrap();
+    cache.set_sliding_window(0, window).unwrap();
     // The write kernels store the tokens (tests/append.rs checks their bytes), then the
     // attention kernels read them: the device path end to end.
     cache.set_backend(Backend::Emu).unwrap();
@@ -38,7 +44,7 @@ fn check(cfg: CacheConfig, lens: &[usize], seed: u64) {
     for (s, (out, q)) in outs.iter().zip(&qs).enumerate() {
         let want = naive_attend(&cache, s, q, scale);
         let what = format!(
-            "{} d={} gqa={} seq {s} len={}",
+            "{} d={} gqa={} seq {s} len={} window {window:?}",
             cfg.scheme,
             cfg.head_dim,
             cfg.gqa(),
@@ -152,6 +158,21 @@ fn codebooks_decode_in_every_loop() {
 fn long_contexts_use_many_splits() {
     check(config("kivi4", 2, 4, 64, 1100), &[1100, 700], 9);
     check(config("q8", 1, 1, 128, 700), &[683], 10);
+}
+
+/// Within a sliding window the splits share out only the blocks the window reaches, starting
+/// inside a block, past the sinks and into the value window and the open page.
+#[test]
+fn sliding_windows_over_many_splits() {
+    for (scheme, window) in [("kivi4,sinks=4", 333), ("q8", 64), ("kivi2,rv=32", 1)] {
+        check_windowed(
+            config(scheme, 2, 8, 64, 1100),
+            &[1100, 700, 300, 3],
+            window as u64,
+            Some(window),
+        );
+    }
+    check_windowed(config("q4_tok", 1, 2, 256, 500), &[500], 3, Some(100));
 }
 
 #[test]

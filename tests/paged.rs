@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::rig::{Rig, Server, step};
+use common::rig::{Rig, Server, step, step_windowed};
 use common::{assert_rows_close, naive_chunk};
 use hipkv::backend::HipStatus;
 use hipkv::hip::{StreamHandle, traffic};
@@ -95,6 +95,43 @@ fn mixed_batches_of_decodes_and_prefill_chunks_match_the_reference() {
                 dtype,
                 &what,
             );
+        }
+    }
+}
+
+/// Sliding windows (1 token, shorter than a block, several blocks) over decodes and prefill
+/// chunks that start and end inside blocks: each output matches the reference within its
+/// window, and the blocks wholly below the windows are not read (freed ids give the same bits).
+#[test]
+fn sliding_windows_match_the_reference_and_leave_the_blocks_below_unread() {
+    let cases = [
+        ("q8", 4, 64, DType::F32),
+        ("kivi2,sinks=4", 4, 64, DType::F16),
+        ("kivi4,g=64,rv=64", 2, 128, DType::F32),
+        (
+            "k=q4_chan,v=q2_tok,rv=64,sinks=3,pre_rope,rot=v",
+            8,
+            64,
+            DType::BF16,
+        ),
+        ("q8_0,sinks=2", 1, 256, DType::F32),
+    ];
+    for backend in backends() {
+        for (scheme, gqa, d, dtype) in cases {
+            for window in [1, 29, 100] {
+                let what = format!("{backend:?} {scheme} gqa {gqa} d {d} window {window}");
+                let layout = layout(scheme, gqa, d);
+                let rig = Rig::new(layout, 1, backend, 128);
+                let mut rng = Rng::new(window as u64);
+                let mut server = Server::new(&layout, &mut rng);
+                for slot in [3, 0] {
+                    server.seqs.push((slot, Vec::new(), 0));
+                }
+                let w = Some(window);
+                for chunks in [[(0, 40), (1, 80)], [(0, 77), (1, 1)], [(1, 45), (0, 1)]] {
+                    step_windowed(&rig, &mut server, &mut rng, &chunks, dtype, w, &what);
+                }
+            }
         }
     }
 }

@@ -183,7 +183,9 @@ typedef struct hipkv_attn_params {
     uint32_t layer_state;
     uint64_t slot_state_bytes;
     float softmax_scale;
-    uint32_t reserved;
+    // Sliding window: a query token attends to its own position and the window - 1 before it
+    // (the blocks below are not read, so a server may have reused them); 0: to every position.
+    uint32_t window;
     const uint8_t *cache;
     const uint8_t *state;
     const void *q;              // tokens × q_heads × head_dim

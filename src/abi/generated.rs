@@ -251,7 +251,7 @@ pub struct hipkv_attn_params {
     pub layer_state: u32,
     pub slot_state_bytes: u64,
     pub softmax_scale: f32,
-    pub reserved: u32,
+    pub window: u32,
     pub cache: *const u8,
     pub state: *const u8,
     pub q: *const ::std::os::raw::c_void,
@@ -300,8 +300,8 @@ const _: () = {
         [::std::mem::offset_of!(hipkv_attn_params, slot_state_bytes) - 192usize];
     ["Offset of field: hipkv_attn_params::softmax_scale"]
         [::std::mem::offset_of!(hipkv_attn_params, softmax_scale) - 200usize];
-    ["Offset of field: hipkv_attn_params::reserved"]
-        [::std::mem::offset_of!(hipkv_attn_params, reserved) - 204usize];
+    ["Offset of field: hipkv_attn_params::window"]
+        [::std::mem::offset_of!(hipkv_attn_params, window) - 204usize];
     ["Offset of field: hipkv_attn_params::cache"]
         [::std::mem::offset_of!(hipkv_attn_params, cache) - 208usize];
     ["Offset of field: hipkv_attn_params::state"]

@@ -114,6 +114,7 @@ pub struct hipkv_query_batch {
     pub max_blocks_per_seq: u32,
     pub dtype: hipkv_dtype,
     pub softmax_scale: f32,
+    pub window: u32,
     pub q: *const ::std::os::raw::c_void,
     pub out: *mut ::std::os::raw::c_void,
     pub query_start_loc: *const i32,
@@ -139,6 +140,8 @@ const _: () = {
         [::std::mem::offset_of!(hipkv_query_batch, dtype) - 20usize];
     ["Offset of field: hipkv_query_batch::softmax_scale"]
         [::std::mem::offset_of!(hipkv_query_batch, softmax_scale) - 24usize];
+    ["Offset of field: hipkv_query_batch::window"]
+        [::std::mem::offset_of!(hipkv_query_batch, window) - 28usize];
     ["Offset of field: hipkv_query_batch::q"]
         [::std::mem::offset_of!(hipkv_query_batch, q) - 32usize];
     ["Offset of field: hipkv_query_batch::out"]

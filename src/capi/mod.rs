@@ -506,6 +506,7 @@ pub unsafe extern "C" fn hipkv_attend(
             max_blocks_per_seq: b.max_blocks_per_seq as usize,
             dtype: dtype(b.dtype)?,
             softmax_scale: b.softmax_scale,
+            window: (b.window != 0).then_some(b.window as usize),
             q: b.q as u64,
             out: b.out as u64,
             query_start_loc: b.query_start_loc as u64,

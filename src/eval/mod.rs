@@ -89,10 +89,6 @@ pub enum EvalError {
     TextTooShort { have: usize, want: usize },
     #[error("{tokens} tokens exceed the model's context of {context}")]
     BeyondContext { tokens: usize, context: usize },
-    #[error(
-        "{tokens} tokens exceed the model's sliding window of {window}: hipkv's attention has no window mask yet, so models with sliding-window layers are evaluated within the window (pass --tokens {window} or fewer)"
-    )]
-    BeyondWindow { tokens: usize, window: usize },
     #[error("{what} must be positive")]
     NotPositive { what: &'static str },
     #[error("no schemes to evaluate")]
@@ -150,9 +146,7 @@ fn rope_groups(model: &ModelConfig) -> (Vec<Rope>, Vec<(usize, usize)>) {
 /// share a cache; a model whose layers differ in RoPE (Gemma-3's sliding-window and global
 /// layers) gets one cache per RoPE.
 ///
-/// hipkv's attention has no sliding-window mask, so a model with sliding-window layers is only
-/// run as far as its window ([`ModelConfig::full_attention_context`]), where the mask changes
-/// nothing; a longer capacity is refused.
+/// Sliding-window layers attend within their window ([`KvCache::set_sliding_window`]).
 ///
 /// Outlier thresholds (schemes with `outliers`) are calibrated per layer from that layer's keys
 /// (and values, for `outliers=kv`) of the first chunk, just before it is appended; so are the
@@ -173,16 +167,8 @@ impl CacheAttention {
         scheme: Scheme,
         capacity: usize,
     ) -> Result<CacheAttention, EvalError> {
-        if let Some(window) = model.sliding_window
-            && capacity > window
-        {
-            return Err(EvalError::BeyondWindow {
-                tokens: capacity,
-                window,
-            });
-        }
         let (ropes, route) = rope_groups(model);
-        let caches = ropes
+        let mut caches = ropes
             .iter()
             .enumerate()
             .map(|(i, &rope)| {
@@ -198,6 +184,9 @@ impl CacheAttention {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        for (layer, &(cache, at)) in route.iter().enumerate() {
+            caches[cache].set_sliding_window(at, model.window(layer))?;
+        }
         Ok(CacheAttention {
             caches,
             route,

@@ -293,13 +293,6 @@ impl ModelConfig {
     pub fn softmax_scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
     }
-
-    /// The longest context in which every layer sees every token before it: the training
-    /// context, or the sliding window where layers have one.
-    pub fn full_attention_context(&self) -> usize {
-        self.sliding_window
-            .map_or(self.context, |w| w.min(self.context))
-    }
 }
 
 /// Reads one tensor and dequantizes it to f32.

@@ -106,6 +106,10 @@ pub struct QueryBatch {
     pub max_blocks_per_seq: usize,
     pub dtype: DType,
     pub softmax_scale: f32,
+    /// Sliding window (Gemma's and Mistral's local layers): each query token attends to its own
+    /// position and the `window − 1` before it, and the blocks wholly below are not read (their
+    /// ids are not even checked, so a server may have freed them). `None`: every position.
+    pub window: Option<usize>,
     /// `tokens × q_heads × head_dim` of `dtype`, rotated by RoPE.
     pub q: u64,
     /// Same shape and dtype as `q`.
@@ -622,6 +626,11 @@ impl PagedCache {
         if !batch.softmax_scale.is_finite() {
             return Err(Error::BadSoftmaxScale(batch.softmax_scale));
         }
+        if batch.window == Some(0) {
+            return Err(Error::EmptyWindow);
+        }
+        // A window that reaches every position the layout holds is no window.
+        let window = batch.window.filter(|&w| w < spec.max_positions);
         let compute_units = self
             .device()
             .map_or(GFX1201_COMPUTE_UNITS, |d| d.compute_units);
@@ -632,6 +641,7 @@ impl PagedCache {
             batch.tokens,
             batch.max_q_len,
             batch.max_seq_len,
+            window,
             compute_units,
         );
         let (layer_state, slot_state_bytes) = self.layer_state(layer);
@@ -650,7 +660,7 @@ impl PagedCache {
             layer_state,
             slot_state_bytes,
             softmax_scale: batch.softmax_scale,
-            reserved: 0,
+            window: window.map_or(0, u),
             cache: std::ptr::null(),
             state: self.state.addr() as *const u8,
             q: batch.q as *const std::ffi::c_void,

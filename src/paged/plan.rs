@@ -20,7 +20,9 @@ pub struct AttendPlan {
 
 impl AttendPlan {
     /// The plan for `num_seqs` sequences of at most `max_q_len` query tokens (`tokens` in all)
-    /// and `max_seq_len` tokens, on `compute_units` CUs, within a workspace sized for `limits`.
+    /// and `max_seq_len` tokens, attending within a sliding `window` if any, on `compute_units`
+    /// CUs, within a workspace sized for `limits`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         layout: &Layout,
         limits: BatchLimits,
@@ -28,6 +30,7 @@ impl AttendPlan {
         tokens: usize,
         max_q_len: usize,
         max_seq_len: usize,
+        window: Option<usize>,
         compute_units: usize,
     ) -> AttendPlan {
         // A decode token's GQA rows take a wave per `rows_per_wave`; a prefill chunk's tile
@@ -42,7 +45,16 @@ impl AttendPlan {
         };
         let tile_rows = waves * layout.rows_per_wave();
         let tiles_per_seq = (max_q_len.max(1) * layout.gqa()).div_ceil(tile_rows);
-        let max_blocks = max_seq_len.div_ceil(layout.block_tokens());
+        // The blocks one wave reads: the sequence's, or within a window those from the one
+        // holding its lowest row's first position to the one holding its highest row's last,
+        // whose positions differ by less than window + max_q_len (so the kernels' splits,
+        // counted from that first block, cover them).
+        let bt = layout.block_tokens();
+        let max_blocks = window.map_or(max_seq_len.div_ceil(bt), |w| {
+            max_seq_len
+                .div_ceil(bt)
+                .min((w + max_q_len.max(1) - 1).div_ceil(bt) + 1)
+        });
         let waves_per_split = num_seqs * tiles_per_seq * layout.spec().kv_heads * waves;
         let mut split = SplitPlan::new(max_blocks, waves_per_split, compute_units);
         // Every split of every query row needs its partials in the workspace.
@@ -84,14 +96,45 @@ mod tests {
     fn decode_batches_take_a_wave_per_four_heads_and_split_long_sequences() {
         assert_eq!(layout(8, 64).rows_per_wave(), 4);
         let limits = BatchLimits { max_tokens: 1 };
-        let gqa8 = AttendPlan::new(&layout(8, 64), limits, 1, 1, 1, 64, GFX1201_COMPUTE_UNITS);
+        let gqa8 = AttendPlan::new(
+            &layout(8, 64),
+            limits,
+            1,
+            1,
+            1,
+            64,
+            None,
+            GFX1201_COMPUTE_UNITS,
+        );
         assert_eq!((gqa8.waves, gqa8.tiles_per_seq), (2, 1));
         let l = layout(4, 128);
         let limits = BatchLimits { max_tokens: 64 };
-        let plan = AttendPlan::new(&l, limits, 1, 1, 1, 32768, GFX1201_COMPUTE_UNITS);
+        let plan = AttendPlan::new(&l, limits, 1, 1, 1, 32768, None, GFX1201_COMPUTE_UNITS);
         assert_eq!((plan.waves, plan.tiles_per_seq), (1, 1));
         assert_eq!(plan.splits * plan.blocks_per_split, 1024);
         assert!(plan.splits >= 64, "{plan:?}");
+    }
+
+    #[test]
+    fn a_sliding_window_splits_only_the_blocks_it_reaches() {
+        let l = layout(4, 128);
+        let bt = l.block_tokens();
+        let limits = BatchLimits { max_tokens: 64 };
+        let whole = AttendPlan::new(&l, limits, 1, 1, 1, 32768, None, GFX1201_COMPUTE_UNITS);
+        let window = Some(512);
+        let local = AttendPlan::new(&l, limits, 1, 1, 1, 32768, window, GFX1201_COMPUTE_UNITS);
+        // A decode token's 512 positions start anywhere in a block: one block more.
+        let reach = 512 / bt + 1;
+        assert!(local.splits * local.blocks_per_split >= reach, "{local:?}");
+        assert!(
+            local.splits * local.blocks_per_split < 2 * reach,
+            "{local:?}"
+        );
+        assert!(local.splits < whole.splits, "{local:?} against {whole:?}");
+        // A window longer than the sequences changes nothing.
+        let long = AttendPlan::new(&l, limits, 1, 1, 1, 256, Some(4096), GFX1201_COMPUTE_UNITS);
+        let none = AttendPlan::new(&l, limits, 1, 1, 1, 256, None, GFX1201_COMPUTE_UNITS);
+        assert_eq!(long, none);
     }
 
     #[test]
@@ -100,7 +143,7 @@ mod tests {
         let l = layout(4, 128);
         assert_eq!(l.prefill_tile_tokens(), 4);
         let limits = BatchLimits { max_tokens: 2048 };
-        let plan = AttendPlan::new(&l, limits, 3, 520, 512, 4096, GFX1201_COMPUTE_UNITS);
+        let plan = AttendPlan::new(&l, limits, 3, 520, 512, 4096, None, GFX1201_COMPUTE_UNITS);
         assert_eq!((plan.waves, plan.tiles_per_seq), (4, 128));
         assert_eq!(plan.splits, 1, "{plan:?}");
     }
@@ -111,7 +154,16 @@ mod tests {
         let limits = BatchLimits { max_tokens: 600 };
         // 600 decode tokens, each a sequence of 128k: the workspace's 1024 partial tokens
         // allow one split.
-        let plan = AttendPlan::new(&l, limits, 600, 600, 1, 1 << 17, GFX1201_COMPUTE_UNITS);
+        let plan = AttendPlan::new(
+            &l,
+            limits,
+            600,
+            600,
+            1,
+            1 << 17,
+            None,
+            GFX1201_COMPUTE_UNITS,
+        );
         assert_eq!(plan.splits, 1);
         assert_eq!(plan.blocks_per_split, 4096);
     }

@@ -130,6 +130,7 @@ static void step(hipkv_backend backend, const char *scheme, float *out) {
                             2,
                             HIPKV_DTYPE_F16,
                             0.125f,
+                            0, /* no sliding window */
                             upload(c, q, sizeof q),
                             out_mem,
                             upload(c, starts, sizeof starts),

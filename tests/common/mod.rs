@@ -103,7 +103,8 @@ pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f
             }
         }
     }
-    naive_chunk(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale)
+    let window = cache.sliding_window(0).unwrap();
+    naive_chunk_windowed(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale, window)
 }
 
 /// Causal attention, in f64, of a query chunk `q` (`q_len × q_heads × head_dim`, rotated: the
@@ -120,16 +121,34 @@ pub fn naive_chunk(
     d: usize,
     scale: f32,
 ) -> Vec<f32> {
+    naive_chunk_windowed(k, v, q, len, kv_heads, q_heads, d, scale, None)
+}
+
+/// [`naive_chunk`] within a sliding window: each query attends to its own position and the
+/// `window − 1` before it.
+#[allow(clippy::too_many_arguments)]
+pub fn naive_chunk_windowed(
+    k: &[f32],
+    v: &[f32],
+    q: &[f32],
+    len: usize,
+    kv_heads: usize,
+    q_heads: usize,
+    d: usize,
+    scale: f32,
+    window: Option<usize>,
+) -> Vec<f32> {
     let (h, r) = (kv_heads, q_heads / kv_heads);
     let width = q_heads * d;
     let q_len = q.len() / width;
     let mut out = vec![0f32; q.len()];
     for t in 0..q_len {
         let pos = len - q_len + t;
+        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         for qh in 0..q_heads {
             let kh = qh / r;
             let qv = &q[t * width + qh * d..][..d];
-            let logits: Vec<f64> = (0..=pos)
+            let logits: Vec<f64> = (first..=pos)
                 .map(|p| {
                     let kv = &k[(p * h + kh) * d..][..d];
                     f64::from(scale)
@@ -143,8 +162,9 @@ pub fn naive_chunk(
             let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
             let sum: f64 = w.iter().sum();
             for ch in 0..d {
-                let acc: f64 = (0..=pos)
-                    .map(|p| w[p] * f64::from(v[(p * h + kh) * d + ch]))
+                let acc: f64 = (first..=pos)
+                    .zip(&w)
+                    .map(|(p, w)| w * f64::from(v[(p * h + kh) * d + ch]))
                     .sum();
                 out[t * width + qh * d + ch] = (acc / sum) as f32;
             }

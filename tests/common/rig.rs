@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use hipkv::Backend;
 use hipkv::synth::Rng;
 
-use super::{assert_outputs_close, naive_chunk};
+use super::{assert_outputs_close, naive_chunk_windowed};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, PagedCache, QueryBatch, Workspace,
@@ -195,6 +195,7 @@ impl Rig {
             max_blocks_per_seq: width,
             dtype,
             softmax_scale: scale,
+            window: None,
             q: up.addr(0),
             out: up.addr(1),
             query_start_loc: up.addr(2),
@@ -340,6 +341,21 @@ pub fn step(
     dtype: DType,
     what: &str,
 ) {
+    step_windowed(rig, server, rng, chunks, dtype, None, what);
+}
+
+/// [`step`], attending within a sliding `window`. With one, the step is attended a second
+/// time with every block id wholly below its sequence's window replaced by -1 (as a server
+/// that has freed them passes them), which must give the same outputs bit for bit.
+pub fn step_windowed(
+    rig: &Rig,
+    server: &mut Server,
+    rng: &mut Rng,
+    chunks: &[(usize, usize)],
+    dtype: DType,
+    window: Option<usize>,
+    what: &str,
+) {
     let spec = *rig.layout().spec();
     let (h, d) = (spec.kv_heads, spec.head_dim);
     let (mut slots, mut seqs, mut positions) = (Vec::new(), Vec::new(), Vec::new());
@@ -359,10 +375,30 @@ pub fn step(
     let (starts, lens, tables, seq_slots) = server.batch(chunks, width);
     let q = rng.normals(tokens * spec.q_heads * d);
     let scale = 1.0 / (d as f32).sqrt();
-    let (result, out) = rig.attend(
-        0, &q, dtype, &starts, &lens, &tables, width, &seq_slots, scale,
-    );
+    let (mut batch, inputs) =
+        rig.stage_attend(&q, dtype, &starts, &lens, &tables, width, &seq_slots, scale);
+    batch.window = window;
+    let (result, out) = rig.run_attend(0, &batch, &inputs);
     result.unwrap_or_else(|e| panic!("{what}: attend: {e}"));
+    if let Some(w) = window {
+        let bt = rig.layout().block_tokens();
+        let mut freed = tables.clone();
+        for (i, &(s, n)) in chunks.iter().enumerate() {
+            let first_visible = (server.seqs[s].2 - n + 1).saturating_sub(w);
+            freed[i * width..i * width + first_visible / bt].fill(-1);
+        }
+        let (mut batch, inputs) =
+            rig.stage_attend(&q, dtype, &starts, &lens, &freed, width, &seq_slots, scale);
+        batch.window = window;
+        let (result, again) = rig.run_attend(0, &batch, &inputs);
+        result.unwrap_or_else(|e| panic!("{what}: attend with the blocks below freed: {e}"));
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&again),
+            bits(&out),
+            "{what}: blocks below the window were read"
+        );
+    }
     let q = through(&q, dtype);
     let row = spec.q_heads * d;
     for (i, &(s, n)) in chunks.iter().enumerate() {
@@ -372,7 +408,7 @@ pub fn step(
             .read_back(0, &rig.caches[0], blocks, *slot as usize, *len)
             .unwrap();
         let at = starts[i] as usize * row;
-        let want = naive_chunk(
+        let want = naive_chunk_windowed(
             &rk,
             &rv,
             &q[at..at + n * row],
@@ -381,6 +417,7 @@ pub fn step(
             spec.q_heads,
             d,
             scale,
+            window,
         );
         assert_outputs_close(
             &spec.scheme,

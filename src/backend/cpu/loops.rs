@@ -294,8 +294,9 @@ impl<'a> Prefetch<'a> {
     }
 }
 
-/// Masks tokens past each row's position (causal chunks), then turns the block's scores into
-/// softmax weights against each row's running maximum, rescaling the row's state once.
+/// Masks tokens past each row's position (causal chunks) and before its sliding window, then
+/// turns the block's scores into softmax weights against each row's running maximum, rescaling
+/// the row's state once.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn softmax_block<K: Kernel>(
@@ -310,8 +311,10 @@ pub(super) fn softmax_block<K: Kernel>(
 ) {
     for (r, &pos) in hq.pos.iter().enumerate() {
         let visible = (pos + 1).saturating_sub(first_pos).min(n);
+        let hidden = hq.first_visible(r).saturating_sub(first_pos).min(visible);
         let s = &mut scores[r * g..r * g + n];
         s[visible..].fill(f32::NEG_INFINITY);
+        s[..hidden].fill(f32::NEG_INFINITY);
         let block_max = k.max_of(s);
         if block_max == f32::NEG_INFINITY {
             s.fill(0.0);

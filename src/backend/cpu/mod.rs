@@ -45,6 +45,15 @@ pub(crate) struct HeadQueries {
     pub(crate) rows: Vec<f32>,
     /// Position of each row's token: it attends to positions `≤` this.
     pub(crate) pos: Vec<usize>,
+    /// Positions a row attends to at most: its own and the `window − 1` before it.
+    pub(crate) window: usize,
+}
+
+impl HeadQueries {
+    /// The first position row `r` attends to.
+    pub(crate) fn first_visible(&self, r: usize) -> usize {
+        (self.pos[r] + 1).saturating_sub(self.window)
+    }
 }
 
 /// Work item: one (query, KV head, page range).
@@ -54,25 +63,30 @@ struct Item {
     pages: Range<usize>,
 }
 
-/// Attends each query's chunk over its sequence and writes `Query::out`.
+/// Attends each query's chunk over its sequence, within a sliding `window` of positions
+/// (`usize::MAX`: none), and writes `Query::out`.
 pub(crate) fn attend(
     view: &CacheView<'_>,
     seqs: &[PagedSeq<'_>],
     queries: &mut [ChunkQuery<'_>],
     scale: f32,
+    window: usize,
 ) {
     let spec = view.layout.spec();
     let (d, r) = (spec.head_dim, view.layout.gqa());
     let kv_heads = spec.kv_heads;
     let width = spec.q_heads * d;
-    let prepared = prepare_queries(view, seqs, queries, scale);
+    let prepared = prepare_queries(view, seqs, queries, scale, window);
 
     let threads = rayon::current_num_threads();
     let items: Vec<Item> = seqs
         .iter()
+        .zip(&prepared)
         .enumerate()
-        .flat_map(|(qi, seq)| {
-            let pages = view.pages(seq.len);
+        .flat_map(|(qi, (seq, heads))| {
+            // From the page of the first row's first visible position (rows are in order).
+            let first = heads[0].first_visible(0) / view.layout.block_tokens();
+            let pages = view.pages(seq.len) - first;
             let want = (4 * threads).div_ceil(seqs.len() * kv_heads);
             let splits = want.min(pages / 4).max(1);
             let per = pages.div_ceil(splits).max(1);
@@ -80,7 +94,7 @@ pub(crate) fn attend(
                 (0..splits).map(move |s| Item {
                     query: qi,
                     head,
-                    pages: s * per..((s + 1) * per).min(pages.max(1)),
+                    pages: first + s * per..first + ((s + 1) * per).min(pages.max(1)),
                 })
             })
         })
@@ -126,6 +140,7 @@ fn prepare_queries(
     seqs: &[PagedSeq<'_>],
     queries: &[ChunkQuery<'_>],
     scale: f32,
+    window: usize,
 ) -> Vec<Vec<HeadQueries>> {
     let spec = view.layout.spec();
     let (d, r) = (spec.head_dim, view.layout.gqa());
@@ -151,7 +166,7 @@ fn prepare_queries(
                             pos.push(p);
                         }
                     }
-                    HeadQueries { rows, pos }
+                    HeadQueries { rows, pos, window }
                 })
                 .collect()
         })

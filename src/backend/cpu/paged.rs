@@ -447,6 +447,11 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
     let cache = unsafe { slice(p.cache, g.num_blocks as usize * g.block_bytes as usize) };
     let state = unsafe { slice(p.state, g.max_seqs as usize * p.slot_state_bytes as usize) };
     let out = p.out.cast::<u8>();
+    let window = if p.window == 0 {
+        usize::MAX
+    } else {
+        p.window as usize
+    };
     let mut seqs = Vec::new();
     let mut queries: Vec<(usize, Vec<f32>)> = Vec::new();
     for s in 0..n_seqs {
@@ -469,8 +474,12 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
         } else if slot < 0 || slot >= i64::from(g.max_seqs) {
             Some((HIPKV_BAD_SEQ_SLOT, slot, i64::from(g.max_seqs)))
         } else {
+            // The blocks read: within a window, from the one holding the first query token's
+            // first position, as the kernels read them.
+            let first_visible = ((len - (end - start)) as usize + 1).saturating_sub(window);
             let row = &tables[s * p.max_blocks_per_seq as usize..][..(len as usize).div_ceil(bt)];
-            row.iter()
+            row[first_visible / bt..]
+                .iter()
                 .find(|&&id| id < 0 || id as u32 >= g.num_blocks)
                 .map(|&id| (HIPKV_BAD_BLOCK, i64::from(id), i64::from(g.num_blocks)))
         };
@@ -518,7 +527,7 @@ unsafe fn attend(p: &hipkv_attn_params, layout: &Layout, rope: Option<&RopeTable
         rope,
         books: [books[0].as_ref(), books[1].as_ref()],
     };
-    super::attend(&view, &seqs, &mut batch, p.softmax_scale);
+    super::attend(&view, &seqs, &mut batch, p.softmax_scale, window);
     if spec.scheme.rotation.applies(Stream::V) {
         for o in &mut outs {
             o.chunks_exact_mut(spec.head_dim)

@@ -185,6 +185,7 @@ pub(crate) fn batch_row(
         max_blocks_per_seq: width,
         dtype: DType::F32,
         softmax_scale: 1.0 / (d as f32).sqrt(),
+        window: None,
         q: inputs[0].addr(),
         out: inputs[1].addr(),
         query_start_loc: inputs[2].addr(),

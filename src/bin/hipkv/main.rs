@@ -99,8 +99,8 @@ struct EvalArgs {
     /// calibrating each layer on the first chunk of the text (repeatable).
     #[arg(long)]
     calibration: Vec<PathBuf>,
-    /// Tokens of the text to run (from its start) [default: 4096, or the model's sliding
-    /// window where that is shorter (Gemma-3: 512): hipkv's attention has no window mask].
+    /// Tokens of the text to run (from its start) [default: 4096, or the model's context where
+    /// that is shorter].
     #[arg(long)]
     tokens: Option<usize>,
     /// Schemes, separated by `,` where each starts with a preset or `k=` (`f16,q8,kivi2,pre_rope`
@@ -1023,8 +1023,7 @@ fn model_and_tokens(
         None => eval::CORPUS.to_string(),
     };
     let (model, tokenizer) = Model::load(model)?;
-    let tokens =
-        tokens.unwrap_or_else(|| DEFAULT_EVAL_TOKENS.min(model.config().full_attention_context()));
+    let tokens = tokens.unwrap_or_else(|| DEFAULT_EVAL_TOKENS.min(model.config().context));
     let mut all = tokenizer.encode(&text)?;
     if all.len() < tokens {
         return Err(EvalError::TextTooShort {
