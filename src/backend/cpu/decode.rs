@@ -1,6 +1,8 @@
 //! Each format's rows decoded into vector registers, 8 channels at a time, in the channel order
 //! the format packs them in; and the parameters of a run of rows converted to f32 once.
 
+use std::marker::PhantomData;
+
 use crate::quant::{Codebook, get_f16};
 use crate::scheme::{Format, LowBits, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 
@@ -23,17 +25,19 @@ macro_rules! with_rows {
             }
             Format::Q8 => {
                 assert!($buf.len() >= $n);
-                let $rows = Q8Rows {
+                let $rows = ScaledRows::<Int8> {
                     packed,
                     scales: &$buf,
+                    code: ::std::marker::PhantomData,
                 };
                 $body
             }
             Format::Fp8 => {
                 assert!($buf.len() >= $n);
-                let $rows = Fp8Rows {
+                let $rows = ScaledRows::<E4m3> {
                     packed,
                     scales: &$buf,
+                    code: ::std::marker::PhantomData,
                 };
                 $body
             }
@@ -265,46 +269,64 @@ impl Rows for F16Rows<'_> {
     }
 }
 
-/// `q8`: `scale[t] · int8`.
-pub(super) struct Q8Rows<'a> {
-    pub(super) packed: Packed<'a>,
-    pub(super) scales: &'a [f32],
+/// How a row of one-byte codes scaled per token decodes eight of them: int8 (`q8`) or e4m3
+/// (`fp8`).
+pub(super) trait ByteCode {
+    /// What the token's scale is multiplied by.
+    const SCALE: f32;
+
+    /// The eight codes at `at`, as values before scaling.
+    ///
+    /// # Safety
+    /// `at` addresses 8 readable bytes.
+    unsafe fn load8<K: Kernel>(k: K, at: *const u8) -> K::V;
 }
 
-impl Rows for Q8Rows<'_> {
-    const CHUNK: usize = 8;
+/// `q8`'s codes: `scale[t] · int8`.
+pub(super) struct Int8;
+
+impl ByteCode for Int8 {
+    const SCALE: f32 = 1.0;
 
     #[inline(always)]
-    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: a q8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside
-        // it; `scales` holds one per token (checked where built).
-        unsafe {
-            k.mul(
-                k.i8x8(self.packed.at(t, c0 + 8 * j)),
-                k.splat(*self.scales.get_unchecked(t)),
-            )
-        }
+    unsafe fn load8<K: Kernel>(k: K, at: *const u8) -> K::V {
+        // SAFETY: the caller's contract.
+        unsafe { k.i8x8(at) }
     }
 }
 
-/// `fp8`: `scale[t] · e4m3`, the codes converted through f16 (`Kernel::e4m3x8`: the value
-/// times 2^-8, the 2^8 multiplied into the scale, exactly).
-pub(super) struct Fp8Rows<'a> {
-    pub(super) packed: Packed<'a>,
-    pub(super) scales: &'a [f32],
+/// `fp8`'s codes: `scale[t] · e4m3`, converted through f16 (`Kernel::e4m3x8`: the value times
+/// 2^-8, the 2^8 multiplied into the scale, exactly).
+pub(super) struct E4m3;
+
+impl ByteCode for E4m3 {
+    const SCALE: f32 = 256.0;
+
+    #[inline(always)]
+    unsafe fn load8<K: Kernel>(k: K, at: *const u8) -> K::V {
+        // SAFETY: the caller's contract.
+        unsafe { k.e4m3x8(at) }
+    }
 }
 
-impl Rows for Fp8Rows<'_> {
+/// `q8` and `fp8`: one byte per element, one scale per token.
+pub(super) struct ScaledRows<'a, C> {
+    pub(super) packed: Packed<'a>,
+    pub(super) scales: &'a [f32],
+    pub(super) code: PhantomData<C>,
+}
+
+impl<C: ByteCode> Rows for ScaledRows<'_, C> {
     const CHUNK: usize = 8;
 
     #[inline(always)]
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // SAFETY: an fp8 row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside
-        // it; `scales` holds one per token (checked where built).
+        // SAFETY: a row has `d` bytes; `c0 + 8j + 8 <= d` keeps the 8 bytes read inside it;
+        // `scales` holds one per token (checked where built).
         unsafe {
             k.mul(
-                k.e4m3x8(self.packed.at(t, c0 + 8 * j)),
-                k.splat(*self.scales.get_unchecked(t) * 256.0),
+                C::load8(k, self.packed.at(t, c0 + 8 * j)),
+                k.splat(*self.scales.get_unchecked(t) * C::SCALE),
             )
         }
     }
