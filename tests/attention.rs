@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{assert_rows_close, config, fill, naive_attend, queries, rel_err, with_rope};
+use common::{attend_as_reference, config, fill, naive_attend, queries, rel_err, with_rope};
 use hipkv::scheme::PRESETS;
 use hipkv::synth::Rng;
 use hipkv::{KvCache, RopeLayout};
@@ -18,16 +18,13 @@ fn check(cfg: hipkv::CacheConfig, len: usize, chunk: usize, q_len: usize, seed: 
     fill(&mut cache, 0, len, chunk, &mut rng);
     let q = rng.normals(q_len * cfg.q_heads * cfg.head_dim);
     let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-    let mut out = vec![0f32; q.len()];
-    cache.attend(0, 0, &q, scale, &mut out).unwrap();
-    let want = naive_attend(&cache, 0, &q, scale);
     let what = format!(
         "{} d={} gqa={} len={len} q_len={q_len}",
         cfg.scheme,
         cfg.head_dim,
         cfg.gqa()
     );
-    assert_rows_close(&out, &want, cfg.head_dim, TOLERANCE, &what);
+    attend_as_reference(&cache, &q, scale, &what);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{config, fill, naive_attend, rel_err, with_rope};
+use common::{attend_as_reference, config, fill, naive_attend, rel_err, with_rope};
 use hipkv::quant::{
     self, Codebook, dequantize_chan_row, dequantize_row, quantize_chan, quantize_row,
 };
@@ -1104,13 +1104,7 @@ fn error_against_f16(scheme: &str, n: usize, chunk: usize, q_tokens: usize, seed
     fill(&mut cache, 0, n, chunk, &mut rng);
     let q = rng.normals(q_tokens * cfg.q_heads * d);
     let scale = 1.0 / (d as f32).sqrt();
-    let mut out = vec![0f32; q.len()];
-    cache.attend(0, 0, &q, scale, &mut out).unwrap();
-    let want = naive_attend(&cache, 0, &q, scale);
-    assert!(
-        rel_err(&out, &want) < 1e-5,
-        "{scheme}: against its own rows"
-    );
+    let out = attend_as_reference(&cache, &q, scale, &format!("{scheme}: its own rows"));
     let exact = {
         let mut f16 = KvCache::new(config("f16", 2, 4, d, n)).unwrap();
         fill(&mut f16, 0, n, chunk, &mut Rng::new(seed));
@@ -1213,15 +1207,7 @@ fn codebooks_read_back_and_attend_as_the_reference() {
                 &what,
             );
             let q = rng.normals(2 * cfg.q_heads * d);
-            let scale = 1.0 / (d as f32).sqrt();
-            let mut out = vec![0f32; q.len()];
-            cache.attend(0, 0, &q, scale, &mut out).unwrap();
-            let want = naive_attend(&cache, 0, &q, scale);
-            assert!(
-                rel_err(&out, &want) < 1e-5,
-                "{what}: {}",
-                rel_err(&out, &want)
-            );
+            attend_as_reference(&cache, &q, 1.0 / (d as f32).sqrt(), &what);
         }
     }
 }

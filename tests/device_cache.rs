@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_rows_close, config, naive_attend, queries, with_rope};
+use common::{assert_rows_close, attend_as_reference, config, queries, with_rope};
 use hipkv::backend::HipStatus;
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, Error, KvCache, Query, RopeLayout};
@@ -169,10 +169,7 @@ fn device_errors_leave_the_cache_as_it_was() {
 
         // A query chunk (prefill) attends causally on every backend.
         let q = rng.normals(2 * cfg.q_heads * cfg.head_dim);
-        let mut out = vec![0f32; q.len()];
-        cache.attend(0, 0, &q, 0.1, &mut out).unwrap();
-        let want = naive_attend(&cache, 0, &q, 0.1);
-        assert_rows_close(&out, &want, 64, 1e-5, &format!("{backend:?} chunk"));
+        attend_as_reference(&cache, &q, 0.1, &format!("{backend:?} chunk"));
         unchanged(&cache, "chunked query");
 
         let mut outliers =
@@ -194,10 +191,7 @@ fn device_errors_leave_the_cache_as_it_was() {
             .append(0, 0, &k[..10 * width], &v[..10 * width])
             .unwrap();
         let q = rng.normals(cfg.q_heads * cfg.head_dim);
-        let mut out = vec![0f32; q.len()];
-        cache.attend(0, 0, &q, 0.1, &mut out).unwrap();
-        let want = naive_attend(&cache, 0, &q, 0.1);
-        assert_rows_close(&out, &want, 64, 1e-5, &format!("{backend:?} after clear"));
+        attend_as_reference(&cache, &q, 0.1, &format!("{backend:?} after clear"));
     }
 }
 
@@ -280,9 +274,6 @@ fn more_sinks_than_capacity_keeps_every_head() {
             "{backend:?}: sinks are stored exactly in f16"
         );
         let q = rng.normals(cfg.q_heads * cfg.head_dim);
-        let mut out = vec![0f32; q.len()];
-        cache.attend(0, 0, &q, 0.125, &mut out).unwrap();
-        let want = naive_attend(&cache, 0, &q, 0.125);
-        assert_rows_close(&out, &want, 64, 1e-5, &format!("{backend:?} all sinks"));
+        attend_as_reference(&cache, &q, 0.125, &format!("{backend:?} all sinks"));
     }
 }

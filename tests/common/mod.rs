@@ -173,6 +173,18 @@ pub fn naive_chunk_windowed(
     out
 }
 
+/// Attends the query chunk `q` of layer 0, sequence 0, and asserts that the output is the naive
+/// reference's over the cache's own rows within the kernels' 1e-5 per row
+/// ([`assert_outputs_close`]); returns it.
+pub fn attend_as_reference(cache: &KvCache, q: &[f32], scale: f32, what: &str) -> Vec<f32> {
+    let mut out = vec![0f32; q.len()];
+    cache.attend(0, 0, q, scale, &mut out).unwrap();
+    let want = naive_attend(cache, 0, q, scale);
+    let c = cache.config();
+    assert_outputs_close(&c.scheme, &out, &want, c.head_dim, 1e-5, what);
+    out
+}
+
 /// Largest element-wise difference, relative to the largest magnitude of `want`.
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     let scale = want
