@@ -279,7 +279,7 @@ fn bad_indices_are_typed_errors_and_skip_only_their_item() {
             .paged
             .read_back(0, &rig.caches[0], b0, *s0 as usize, *l0)
             .unwrap();
-        let want = naive_chunk(&rk, &rv, &q[..8 * d], *l0, h, 8, d, 0.125);
+        let want = naive_chunk(&rk, &rv, &q[..8 * d], *l0, h, 8, d, 0.125, None);
         assert_rows_close(
             &out[..8 * d],
             &want,

@@ -104,30 +104,15 @@ pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f
         }
     }
     let window = cache.sliding_window(0).unwrap();
-    naive_chunk_windowed(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale, window)
+    naive_chunk(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale, window)
 }
 
 /// Causal attention, in f64, of a query chunk `q` (`q_len × q_heads × head_dim`, rotated: the
 /// last `q_len` of `len` positions) over keys and values (`len × kv_heads × head_dim`, keys
-/// rotated).
-#[allow(clippy::too_many_arguments)]
-pub fn naive_chunk(
-    k: &[f32],
-    v: &[f32],
-    q: &[f32],
-    len: usize,
-    kv_heads: usize,
-    q_heads: usize,
-    d: usize,
-    scale: f32,
-) -> Vec<f32> {
-    naive_chunk_windowed(k, v, q, len, kv_heads, q_heads, d, scale, None)
-}
-
-/// [`naive_chunk`] within a sliding window: each query attends to its own position and the
+/// rotated), within a sliding `window` if any: each query attends to its own position and the
 /// `window − 1` before it.
 #[allow(clippy::too_many_arguments)]
-pub fn naive_chunk_windowed(
+pub fn naive_chunk(
     k: &[f32],
     v: &[f32],
     q: &[f32],

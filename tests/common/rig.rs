@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use hipkv::Backend;
 use hipkv::synth::Rng;
 
-use super::{assert_outputs_close, naive_chunk_windowed};
+use super::{assert_outputs_close, naive_chunk};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, PagedCache, QueryBatch, Workspace,
@@ -408,7 +408,7 @@ pub fn step_windowed(
             .read_back(0, &rig.caches[0], blocks, *slot as usize, *len)
             .unwrap();
         let at = starts[i] as usize * row;
-        let want = naive_chunk_windowed(
+        let want = naive_chunk(
             &rk,
             &rv,
             &q[at..at + n * row],
