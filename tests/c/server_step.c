@@ -87,7 +87,7 @@ static void set_codebooks(hipkv_cache *c, hipkv_backend backend) {
 }
 
 /* Runs the step on `backend` and returns the attention output (Q_TOKENS × Q_ROW floats). */
-static void step(hipkv_backend backend, const char *scheme, float *out) {
+static void step(hipkv_backend backend, const char *scheme, uint32_t window, float *out) {
     hipkv_layout_desc desc = {scheme, KV_HEADS, Q_HEADS, HEAD_DIM, NUM_BLOCKS, MAX_SEQS, 256,
                               0.0f, 1};
     hipkv_cache *c;
@@ -130,7 +130,7 @@ static void step(hipkv_backend backend, const char *scheme, float *out) {
                             2,
                             HIPKV_DTYPE_F16,
                             0.125f,
-                            0, /* no sliding window */
+                            window, /* 0: no sliding window */
                             upload(c, q, sizeof q),
                             out_mem,
                             upload(c, starts, sizeof starts),
@@ -163,14 +163,16 @@ static void step(hipkv_backend backend, const char *scheme, float *out) {
     hipkv_cache_destroy(c);
 }
 
-/* Naive causal attention over the (f16) inputs: query row t of sequence (`first`, `len`). */
-static void reference(float *want) {
+/* Naive causal attention over the (f16) inputs: query row t of sequence (`first`, `len`),
+ * within a sliding window of `window` positions (0: none). */
+static void reference(int window, float *want) {
     for (int t = 0; t < Q_TOKENS; ++t) {
         const int a = t < A_LEN, first = a ? 0 : A_LEN, pos = a ? t : B_LEN - 1;
+        const int lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         for (int h = 0; h < Q_HEADS; ++h) {
             const int kh = h / (Q_HEADS / KV_HEADS);
             double w[A_LEN], m = -INFINITY, sum = 0.0;
-            for (int p = 0; p <= pos; ++p) {
+            for (int p = lo; p <= pos; ++p) {
                 double dot = 0.0;
                 for (int c = 0; c < HEAD_DIM; ++c)
                     dot += (double)from_f16(q[t * Q_ROW + h * HEAD_DIM + c]) *
@@ -178,10 +180,10 @@ static void reference(float *want) {
                 w[p] = 0.125 * dot;
                 if (w[p] > m) m = w[p];
             }
-            for (int p = 0; p <= pos; ++p) sum += (w[p] = exp(w[p] - m));
+            for (int p = lo; p <= pos; ++p) sum += (w[p] = exp(w[p] - m));
             for (int c = 0; c < HEAD_DIM; ++c) {
                 double acc = 0.0;
-                for (int p = 0; p <= pos; ++p)
+                for (int p = lo; p <= pos; ++p)
                     acc += w[p] * from_f16(v[(first + p) * KV_ROW + kh * HEAD_DIM + c]);
                 want[t * Q_ROW + h * HEAD_DIM + c] = (float)(acc / sum);
             }
@@ -210,21 +212,26 @@ int main(void) {
     }
     for (int i = 0; i < Q_TOKENS * Q_ROW; ++i) q[i] = to_f16(uniform());
     static float want[Q_TOKENS * Q_ROW], emu[Q_TOKENS * Q_ROW], cpu[Q_TOKENS * Q_ROW];
-    reference(want);
-    step(HIPKV_BACKEND_EMU, "f16", emu);
-    step(HIPKV_BACKEND_CPU, "f16", cpu);
+    reference(0, want);
+    step(HIPKV_BACKEND_EMU, "f16", 0, emu);
+    step(HIPKV_BACKEND_CPU, "f16", 0, cpu);
     const float e_emu = rows_err(emu, want), e_cpu = rows_err(cpu, want);
-    step(HIPKV_BACKEND_EMU, "kivi2,sinks=4", emu);
-    step(HIPKV_BACKEND_CPU, "kivi2,sinks=4", cpu);
+    step(HIPKV_BACKEND_EMU, "kivi2,sinks=4", 0, emu);
+    step(HIPKV_BACKEND_CPU, "kivi2,sinks=4", 0, cpu);
     const float e_kivi = rows_err(emu, cpu);
-    step(HIPKV_BACKEND_EMU, "kivi2,nuq", emu);
-    step(HIPKV_BACKEND_CPU, "kivi2,nuq", cpu);
+    step(HIPKV_BACKEND_EMU, "kivi2,nuq", 0, emu);
+    step(HIPKV_BACKEND_CPU, "kivi2,nuq", 0, cpu);
     const float e_nuq = rows_err(emu, cpu);
+    /* A sliding window of 7 positions, through the C struct's field. */
+    reference(7, want);
+    step(HIPKV_BACKEND_EMU, "f16", 7, emu);
+    step(HIPKV_BACKEND_CPU, "f16", 7, cpu);
+    const float e_window = fmaxf(rows_err(emu, want), rows_err(cpu, want));
     printf("server_step: f16 vs reference: emu %.2e cpu %.2e; emu vs cpu: kivi2 %.2e, "
-           "kivi2,nuq %.2e\n",
-           e_emu, e_cpu, e_kivi, e_nuq);
+           "kivi2,nuq %.2e; window 7 %.2e\n",
+           e_emu, e_cpu, e_kivi, e_nuq, e_window);
     /* f16 outputs: within their own rounding (2^-11) and the kernels' 1e-5. */
-    if (e_emu > 2e-3f || e_cpu > 2e-3f || e_kivi > 2e-3f || e_nuq > 2e-3f) {
+    if (e_emu > 2e-3f || e_cpu > 2e-3f || e_kivi > 2e-3f || e_nuq > 2e-3f || e_window > 2e-3f) {
         fprintf(stderr, "server_step: outputs out of tolerance\n");
         return 1;
     }
