@@ -54,19 +54,24 @@ fn check_windowed(cfg: CacheConfig, lens: &[usize], seed: u64, window: Option<us
     }
 }
 
-#[test]
-fn every_format_pair() {
-    for (i, k) in FORMATS.iter().enumerate() {
-        for (j, v) in FORMATS.iter().enumerate() {
-            let scheme = format!("k={k},v={v}");
-            // A partial page, exactly one page, and a page and a half.
+/// Every key × value pair of `formats`, with `options` appended to each scheme, on a partial
+/// page, exactly one page and a page and a half.
+fn check_every_pair<F: std::fmt::Display>(formats: &[F], options: &str, seed: usize) {
+    for (i, k) in formats.iter().enumerate() {
+        for (j, v) in formats.iter().enumerate() {
+            let scheme = format!("k={k},v={v}{options}");
             check(
                 config(&scheme, 2, 2, 64, 96),
                 &[5, 32, 48],
-                (i * 7 + j) as u64,
+                (seed + i * 7 + j) as u64,
             );
         }
     }
+}
+
+#[test]
+fn every_format_pair() {
+    check_every_pair(&FORMATS, "", 0);
 }
 
 #[test]
@@ -123,17 +128,7 @@ fn rope_in_the_cache_and_pre_rope_keys() {
 /// keys, rotated values, sinks, value windows.
 #[test]
 fn codebooks_decode_in_every_loop() {
-    const LOW: [&str; 4] = ["q4_tok", "q2_tok", "q4_chan", "q2_chan"];
-    for (i, k) in LOW.iter().enumerate() {
-        for (j, v) in LOW.iter().enumerate() {
-            let scheme = format!("k={k},v={v},nuq");
-            check(
-                config(&scheme, 2, 2, 64, 96),
-                &[5, 32, 48],
-                (100 + i * 7 + j) as u64,
-            );
-        }
-    }
+    check_every_pair(&["q4_tok", "q2_tok", "q4_chan", "q2_chan"], ",nuq", 100);
     for (scheme, d) in [
         ("k=q2_chan,v=q8,nuq=k", 128),
         ("k=f16,v=q4_tok@64,nuq=v", 256),
