@@ -59,6 +59,27 @@ fn bad_flags_fail_with_the_library_error_and_no_panic() {
     }
 }
 
+/// `bench --peer` says what it needs where it cannot run, before measuring anything: the
+/// feature that builds llama.cpp, or a backend that is not the emulator.
+#[test]
+fn bench_peer_says_what_it_needs() {
+    let out = hipkv_with(
+        &["bench", "--peer", "llama.cpp", "--contexts", "64"],
+        &[("HIPKV_BACKEND", "emu")],
+    );
+    let err = String::from_utf8(out.stderr).unwrap();
+    let needs = if cfg!(feature = "peer-llamacpp") {
+        "not on the emulator"
+    } else {
+        "built without the `peer-llamacpp` feature; scripts/peer-llamacpp.sh bench builds it"
+    };
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(needs), "{err}");
+    assert!(out.stdout.is_empty());
+    let batch = hipkv(&["bench", "--peer", "llama.cpp", "--batch", "4"]);
+    assert_eq!(batch.status.code(), Some(2));
+}
+
 #[test]
 fn malformed_flags_are_usage_errors() {
     for args in [

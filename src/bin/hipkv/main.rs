@@ -9,6 +9,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 mod batch;
+#[cfg(feature = "peer-llamacpp")]
+mod peer;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -36,6 +38,8 @@ const DEFAULT_EVAL_TOKENS: usize = 4096;
 /// Synthetic tokens generated once and appended cyclically.
 const POOL_TOKENS: usize = 4 * CHUNK;
 const MIN_STEPS: usize = 5;
+/// Blocks each of hipkv and a peer is timed in, alternating, per row.
+const PEER_BLOCKS: usize = 5;
 const MEMCPY_BYTES: usize = 256 << 20;
 const MEMCPY_RUNS: usize = 5;
 /// Small enough that every thread gets many chunks, large enough to amortise rayon's overhead.
@@ -225,6 +229,18 @@ struct BenchArgs {
     /// context) through the paged API, reporting the kernels' time and the host's per call.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch: Option<u32>,
+    /// Time the same decode step in another library in the same run, alternating with each
+    /// row (needs the `peer-llamacpp` feature; `scripts/peer-llamacpp.sh bench` builds it).
+    #[arg(long, conflicts_with = "batch")]
+    peer: Option<PeerName>,
+}
+
+/// Libraries `hipkv bench --peer` compares with.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum PeerName {
+    /// llama.cpp's `ggml_flash_attn_ext` over f16, q8_0 and q4_0 caches.
+    #[value(name = "llama.cpp")]
+    LlamaCpp,
 }
 
 fn seconds(s: &str) -> Result<f64, String> {
@@ -253,6 +269,9 @@ enum CliError {
     },
     #[error("{path}: {source}")]
     Calibration { path: PathBuf, source: hipkv::Error },
+    #[cfg(feature = "peer-llamacpp")]
+    #[error("llama.cpp peer: {0}")]
+    Peer(#[from] peer::PeerError),
     #[error("{path} measured a model with KV shape {found}, but the model's is {expected}")]
     EvalModel {
         path: PathBuf,
@@ -644,6 +663,44 @@ struct Row {
     bytes_per_step: usize,
     speedup_vs_q8: Option<f64>,
     speedup_vs_f16: Option<f64>,
+    /// The same step in the `--peer` library, timed alternating with this row.
+    peer: Option<PeerRow>,
+}
+
+/// A peer library's step beside a hipkv row.
+#[derive(Serialize)]
+struct PeerRow {
+    /// The peer's cache type this row is compared with.
+    cache_type: &'static str,
+    sequences: usize,
+    us_per_step: f64,
+    bytes_per_step: usize,
+    gb_per_s: f64,
+    /// time(peer) / time(hipkv): how many times faster hipkv's step is.
+    speedup: f64,
+}
+
+/// Something a bench row times: one decode step of a sequence.
+trait Stepper {
+    fn sequences(&self) -> usize;
+    /// KV bytes one step reads.
+    fn bytes_per_step(&self) -> usize;
+    /// Runs the step of sequence `seq` and returns its time in seconds.
+    fn step(&mut self, seq: usize) -> Result<f64, CliError>;
+    /// After each of its timed blocks, so that a peer's idle threads leave the cores to hipkv.
+    fn rest(&mut self) {}
+}
+
+/// A library timed beside hipkv's rows (`hipkv bench --peer`).
+trait Peer {
+    /// The library and how it runs, for the report.
+    fn describe(&self) -> String;
+    /// The peer's cache type for `scheme` and its steps over caches of `context` tokens.
+    fn steps(
+        &mut self,
+        scheme: Scheme,
+        context: usize,
+    ) -> Result<(&'static str, &mut dyn Stepper), CliError>;
 }
 
 #[derive(Serialize)]
@@ -662,15 +719,18 @@ struct Report {
     working_set_bytes: usize,
     /// CPU backend only.
     memcpy: Option<Memcpy>,
+    /// The `--peer` library, how it was built and how it ran.
+    peer: Option<String>,
     rows: Vec<Row>,
 }
 
-/// What one bench run measures against.
+/// What one bench run measures against, and for how long.
 struct Baseline<'a> {
     backend: Backend,
     memcpy: Option<&'a Memcpy>,
     peak_gb_per_s: Option<f64>,
     working_set: usize,
+    min_time: f64,
 }
 
 fn bench(args: &BenchArgs) -> Result<(), CliError> {
@@ -720,6 +780,21 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         _ => None,
     };
 
+    let working_set = match backend {
+        Backend::Cpu => CPU_WORKING_SET,
+        Backend::Hip => GPU_WORKING_SET,
+        // Two sequences: the rotation, not the figures, is what the emulator checks.
+        Backend::Emu => 0,
+    };
+    let pool = TokenPool::new(
+        &mut Rng::new(1),
+        POOL_TOKENS,
+        shape.kv_heads,
+        shape.head_dim,
+    );
+    let query = Rng::new(2).normals(shape.q_heads * shape.head_dim);
+    let mut peer = open_peer(args.peer, backend, shape, &pool, &query, working_set)?;
+
     let progress = ProgressBar::new((schemes.len() * contexts.len()) as u64).with_style(
         ProgressStyle::with_template("{spinner} [{elapsed}] {bar:30} {pos}/{len} {msg}")
             .expect("constant template"),
@@ -733,20 +808,10 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         backend,
         memcpy: memcpy.as_ref(),
         peak_gb_per_s: gpu.as_ref().map(|g| g.peak_gb_per_s),
-        working_set: match backend {
-            Backend::Cpu => CPU_WORKING_SET,
-            Backend::Hip => GPU_WORKING_SET,
-            // Two sequences: the rotation, not the figures, is what the emulator checks.
-            Backend::Emu => 0,
-        },
+        working_set,
+        min_time: args.min_time,
     };
 
-    let pool = TokenPool::new(
-        &mut Rng::new(1),
-        POOL_TOKENS,
-        shape.kv_heads,
-        shape.head_dim,
-    );
     if let Some(n) = args.batch {
         let mut rows = Vec::new();
         for &context in &contexts {
@@ -780,10 +845,10 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
                 shape,
                 scheme,
                 context,
-                args.min_time,
-                &pool,
+                (&pool, &query),
                 &baseline,
                 &progress,
+                peer.as_deref_mut(),
             )?);
             progress.inc(1);
         }
@@ -805,6 +870,7 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         min_time_s: args.min_time,
         working_set_bytes: baseline.working_set,
         memcpy,
+        peer: peer.map(|p| p.describe()),
         rows,
     };
     if args.json {
@@ -845,13 +911,13 @@ fn bench_row(
     shape: Shape,
     scheme: Scheme,
     context: usize,
-    min_time: f64,
-    pool: &TokenPool,
+    (pool, query): (&TokenPool, &[f32]),
     baseline: &Baseline<'_>,
     progress: &ProgressBar,
+    peer: Option<&mut (dyn Peer + '_)>,
 ) -> Result<Row, CliError> {
     let seq_bytes = shape.kv_heads * scheme.memory(shape.head_dim, context).total();
-    let sequences = (baseline.working_set / seq_bytes.max(1) + 1).max(2);
+    let sequences = sequences_for(baseline.working_set, seq_bytes);
     let mut cache =
         KvCache::with_backend(shape.config(scheme, sequences, context), baseline.backend)?;
     let (k, v) = pool.first(context);
@@ -861,41 +927,45 @@ fn bench_row(
             "{scheme} @ {context}: filling sequence {}/{sequences}",
             seq + 1
         ));
-        // Each sequence starts elsewhere in the pool so sequences do not hold identical data.
         pool.fill(&mut cache, 0, seq, context, CHUNK, seq * CHUNK)?;
     }
-
-    progress.set_message(format!("{scheme} @ {context}: timing"));
-    let q = Rng::new(2).normals(shape.q_heads * shape.head_dim);
-    let mut out = vec![0f32; q.len()];
-    let scale = 1.0 / (shape.head_dim as f32).sqrt();
-    // One step: the CPU's wall clock, or the device's own time of its kernels.
-    let mut step = |seq: usize| -> Result<f64, CliError> {
-        let t = Instant::now();
-        let mut queries = [Query {
-            seq,
-            q: black_box(&q),
-            out: &mut out,
-        }];
-        let device_time = cache.attend_many_timed(0, &mut queries, scale)?;
-        let wall = t.elapsed().as_secs_f64();
-        black_box(&out);
-        Ok(device_time.unwrap_or(wall))
-    };
-    // One untimed rotation: the first touch of each page, the thread pool's (or the GPU's
-    // clocks') wake-up.
-    for seq in 0..sequences {
-        step(seq)?;
-    }
-    let mut steps = Vec::new();
-    let start = Instant::now();
-    while steps.len() < MIN_STEPS || start.elapsed().as_secs_f64() < min_time {
-        steps.push(step(steps.len() % sequences)?);
-    }
-    steps.sort_by(f64::total_cmp);
-    let median = steps[steps.len() / 2];
     // Every sequence holds `context` tokens, so every step reads the same bytes.
     let bytes = cache.bytes_read(0, 0)?;
+    let mut hipkv = HipkvSteps {
+        out: vec![0f32; query.len()],
+        query,
+        scale: 1.0 / (shape.head_dim as f32).sqrt(),
+        sequences,
+        bytes,
+        cache,
+    };
+
+    let (median, peer) = match peer {
+        None => {
+            progress.set_message(format!("{scheme} @ {context}: timing"));
+            (
+                median_step_times(&mut [&mut hipkv], baseline.min_time)?[0],
+                None,
+            )
+        }
+        Some(peer) => {
+            progress.set_message(format!("{scheme} @ {context}: building the peer's caches"));
+            let (cache_type, steps) = peer.steps(scheme, context)?;
+            let peer_bytes = steps.bytes_per_step();
+            let peer_sequences = steps.sequences();
+            progress.set_message(format!("{scheme} @ {context}: timing, alternating"));
+            let medians = median_step_times(&mut [&mut hipkv, steps], baseline.min_time)?;
+            let row = PeerRow {
+                cache_type,
+                sequences: peer_sequences,
+                us_per_step: medians[1] * 1e6,
+                bytes_per_step: peer_bytes,
+                gb_per_s: peer_bytes as f64 / medians[1] / 1e9,
+                speedup: medians[1] / medians[0],
+            };
+            (medians[0], Some(row))
+        }
+    };
     let gb_per_s = bytes as f64 / median / 1e9;
     Ok(Row {
         scheme: scheme.to_string(),
@@ -908,7 +978,142 @@ fn bench_row(
         bytes_per_step: bytes,
         speedup_vs_q8: None,
         speedup_vs_f16: None,
+        peer,
     })
+}
+
+/// Sequences of `seq_bytes` each that together hold more than `working_set` (at least two), so
+/// that consecutive steps read different memory.
+fn sequences_for(working_set: usize, seq_bytes: usize) -> usize {
+    (working_set / seq_bytes.max(1) + 1).max(2)
+}
+
+/// hipkv's decode step over the sequences of a one-layer cache.
+struct HipkvSteps<'a> {
+    cache: KvCache,
+    sequences: usize,
+    bytes: usize,
+    query: &'a [f32],
+    out: Vec<f32>,
+    scale: f32,
+}
+
+impl Stepper for HipkvSteps<'_> {
+    fn sequences(&self) -> usize {
+        self.sequences
+    }
+
+    fn bytes_per_step(&self) -> usize {
+        self.bytes
+    }
+
+    /// The CPU's wall clock, or the device's own time of its kernels.
+    fn step(&mut self, seq: usize) -> Result<f64, CliError> {
+        let t = Instant::now();
+        let mut queries = [Query {
+            seq,
+            q: black_box(self.query),
+            out: &mut self.out,
+        }];
+        let device_time = self.cache.attend_many_timed(0, &mut queries, self.scale)?;
+        let wall = t.elapsed().as_secs_f64();
+        black_box(&self.out);
+        Ok(device_time.unwrap_or(wall))
+    }
+}
+
+/// The median step time of each stepper, in seconds. Each first runs one untimed rotation over
+/// its sequences (the first touch of each page, the thread pools' or the GPU clocks' wake-up).
+/// Then each is timed in turn for `min_time / blocks` seconds, `blocks` times, so that steppers
+/// compared with each other see the same machine; every one takes at least `MIN_STEPS` steps,
+/// rotating over its sequences so that consecutive steps read different memory.
+fn median_step_times(
+    steppers: &mut [&mut dyn Stepper],
+    min_time: f64,
+) -> Result<Vec<f64>, CliError> {
+    let blocks = if steppers.len() > 1 { PEER_BLOCKS } else { 1 };
+    for stepper in steppers.iter_mut() {
+        for seq in 0..stepper.sequences() {
+            stepper.step(seq)?;
+        }
+        stepper.rest();
+    }
+    let mut times = vec![Vec::new(); steppers.len()];
+    for _ in 0..blocks {
+        for (stepper, times) in steppers.iter_mut().zip(&mut times) {
+            let start = Instant::now();
+            let first = times.len();
+            while times.len() - first < MIN_STEPS.div_ceil(blocks)
+                || start.elapsed().as_secs_f64() < min_time / blocks as f64
+            {
+                let seq = times.len() % stepper.sequences();
+                times.push(stepper.step(seq)?);
+            }
+            stepper.rest();
+        }
+    }
+    Ok(times
+        .iter_mut()
+        .map(|t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect())
+}
+
+/// The `--peer` library, ready to build its caches.
+#[cfg(feature = "peer-llamacpp")]
+fn open_peer<'a>(
+    name: Option<PeerName>,
+    backend: Backend,
+    shape: Shape,
+    pool: &'a TokenPool,
+    query: &'a [f32],
+    working_set: usize,
+) -> Result<Option<Box<dyn Peer + 'a>>, CliError> {
+    let Some(PeerName::LlamaCpp) = name else {
+        return Ok(None);
+    };
+    let llama = match backend {
+        Backend::Cpu => peer::LlamaCpp::cpu(rayon::current_num_threads())?,
+        Backend::Hip => peer::LlamaCpp::gpu()?,
+        Backend::Emu => {
+            return Err(CliError::Usage(
+                "--peer compares speed on the CPU or a GPU, not on the emulator".into(),
+            ));
+        }
+    };
+    let shape = peer::PeerShape {
+        kv_heads: shape.kv_heads,
+        q_heads: shape.q_heads,
+        head_dim: shape.head_dim,
+    };
+    Ok(Some(Box::new(peer::LlamaCppBench::new(
+        llama,
+        shape,
+        pool,
+        query,
+        working_set,
+    ))))
+}
+
+#[cfg(not(feature = "peer-llamacpp"))]
+fn open_peer<'a>(
+    name: Option<PeerName>,
+    _: Backend,
+    _: Shape,
+    _: &'a TokenPool,
+    _: &'a [f32],
+    _: usize,
+) -> Result<Option<Box<dyn Peer + 'a>>, CliError> {
+    match name {
+        None => Ok(None),
+        Some(_) => Err(CliError::Usage(
+            "this hipkv was built without the `peer-llamacpp` feature; scripts/peer-llamacpp.sh \
+             bench builds it and runs the comparison"
+                .into(),
+        )),
+    }
 }
 
 /// Fills the speed-ups of one context's rows against its `q8` and `f16` rows, when measured.
@@ -965,6 +1170,12 @@ fn print_table(report: &Report) {
             m.runs
         );
     }
+    if let Some(peer) = &report.peer {
+        println!(
+            "peer: {peer}; each row and its peer timed alternating, {PEER_BLOCKS} blocks each \
+             (× peer = the peer's time / hipkv's)"
+        );
+    }
     println!();
     let w = report
         .rows
@@ -978,8 +1189,15 @@ fn print_table(report: &Report) {
     } else {
         "%peak"
     };
+    let peer_header = match &report.peer {
+        Some(_) => format!(
+            "  {:>6}  {:>9}  {:>9}  {:>7}",
+            "peer", "MiB/step", "µs/step", "× peer"
+        ),
+        None => String::new(),
+    };
     println!(
-        "{:>7}  {:<w$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>6}  {:>6}",
+        "{:>7}  {:<w$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>6}  {:>6}{peer_header}",
         "context", "scheme", "seqs", "MiB/step", "µs/step", "GB/s", share, "vs q8", "vs f16"
     );
     let speedup = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}×"));
@@ -991,8 +1209,17 @@ fn print_table(report: &Report) {
             .pct_of_memcpy
             .or(r.pct_of_peak)
             .map_or("-".to_string(), |p| format!("{p:.1}%"));
+        let peer = r.peer.as_ref().map_or(String::new(), |p| {
+            format!(
+                "  {:>6}  {:>9.2}  {:>9.1}  {:>7}",
+                p.cache_type,
+                p.bytes_per_step as f64 / (1 << 20) as f64,
+                p.us_per_step,
+                format!("{:.2}×", p.speedup)
+            )
+        });
         println!(
-            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>8}  {:>6}  {:>6}",
+            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>8}  {:>6}  {:>6}{peer}",
             r.context,
             r.scheme,
             r.sequences,
