@@ -9,6 +9,9 @@
 # told of (GGML_AVX2=ON and so on), while hipkv picks its AVX2 kernels at run time; without the
 # flags set here llama.cpp would run SSE2 code against hipkv's AVX2. So this script reads the
 # CPU's flags and enables each one ggml can use, AVX-512 included: llama.cpp at its best here.
+# llama-cpp-sys-2 reruns its build when one of the GGML_* variables it saw at its last build
+# changes, not when a new one appears: after moving target/ to another CPU, run
+# `cargo clean -p llama-cpp-sys-2 --release` first (the bench's header lists what ggml has).
 # Needs cmake and a C++ compiler (installed with apt-get where missing) and libclang for bindgen
 # (LIBCLANG_PATH, as the rest of the build).
 set -euo pipefail

@@ -129,10 +129,18 @@ impl LlamaCpp {
             ggml::ggml_backend_cpu_set_n_threads(backend.as_ptr(), n_threads);
             ggml::ggml_backend_cpu_set_threadpool(backend.as_ptr(), pool.as_ptr());
         }
+        let mut description = format!("CPU backend ({}), {threads} threads", cpu_features());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: reads a constant compiled into ggml.
+        if std::arch::is_x86_feature_detected!("avx2") && unsafe { ggml::ggml_cpu_has_avx2() } == 0
+        {
+            description += " (WARNING: built without the AVX2 this CPU has, which favours hipkv; \
+                             scripts/peer-llamacpp.sh builds it for this CPU)";
+        }
         Ok(LlamaCpp {
             backend,
             threadpool,
-            description: format!("CPU backend ({}), {threads} threads", cpu_features()),
+            description,
         })
     }
 
