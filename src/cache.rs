@@ -430,10 +430,7 @@ impl KvCache {
             .into_iter()
             .enumerate()
         {
-            let Some(bits) = scheme
-                .low_bits(stream)
-                .filter(|_| scheme.nuq.applies(stream))
-            else {
+            let Some(bits) = scheme.codebook_bits(stream) else {
                 continue;
             };
             let thresholds =

@@ -116,11 +116,8 @@ impl Calibration {
                 (None, None) => true,
                 _ => false,
             };
-            let wants = |s| scheme.nuq.applies(s);
-            // A stream's codebook, when the scheme wants one, is of its codes' width.
-            let book_fits = |stream, book: &Option<Codebook>| match book {
-                Some(b) => wants(stream) && scheme.low_bits(stream) == Some(b.bits()),
-                None => !wants(stream),
+            let book_fits = |stream, book: &Option<Codebook>| {
+                book.as_ref().map(Codebook::bits) == scheme.codebook_bits(stream)
             };
             let books_fit = match &layer.codebooks {
                 Some((k, v)) => book_fits(Stream::K, k) && book_fits(Stream::V, v),
@@ -201,8 +198,7 @@ impl Calibration {
             match name {
                 "k_levels" | "v_levels" => {
                     let bits = scheme
-                        .low_bits(stream)
-                        .filter(|_| scheme.nuq.applies(stream))
+                        .codebook_bits(stream)
                         .ok_or(bad(n, "a codebook for a stream the scheme has none for"))?;
                     let book =
                         Codebook::new(bits, &values).map_err(|_| bad(n, "a bad codebook"))?;

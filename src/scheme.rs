@@ -531,6 +531,12 @@ impl Scheme {
         }
     }
 
+    /// The codes' width of the codebook the scheme takes for `stream`: where `nuq` applies,
+    /// the stream's low-bit width (`validate` refuses `nuq` on any other format); else none.
+    pub fn codebook_bits(&self, stream: Stream) -> Option<LowBits> {
+        self.low_bits(stream).filter(|_| self.nuq.applies(stream))
+    }
+
     /// Format of a stream.
     pub fn format(&self, stream: Stream) -> Format {
         match stream {

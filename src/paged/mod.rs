@@ -357,19 +357,19 @@ impl PagedCache {
         let scheme = self.layout.scheme();
         let mut levels = [0f32; 2 * MAX_LEVELS];
         for (i, (stream, book)) in [(Stream::K, k), (Stream::V, v)].into_iter().enumerate() {
-            match (scheme.nuq.applies(stream), book) {
-                (true, Some(b)) if Some(b.bits()) == scheme.low_bits(stream) => {
+            let wants = scheme.codebook_bits(stream);
+            match book {
+                Some(b) if Some(b.bits()) == wants => {
                     levels[i * MAX_LEVELS..][..b.levels().len()].copy_from_slice(b.levels());
                 }
-                (false, None) => {}
-                (wants, _) => {
+                None if wants.is_none() => {}
+                _ => {
                     return Err(Error::Unsupported(format!(
-                        "scheme {scheme} takes {} {stream} codebook{}",
-                        if wants { "a" } else { "no" },
-                        scheme
-                            .low_bits(stream)
-                            .filter(|_| wants)
-                            .map_or(String::new(), |b| format!(" of {}-bit codes", b.bits())),
+                        "scheme {scheme} takes {}",
+                        wants.map_or(format!("no {stream} codebook"), |b| format!(
+                            "a {stream} codebook of {}-bit codes",
+                            b.bits()
+                        )),
                     )));
                 }
             }
