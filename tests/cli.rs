@@ -136,6 +136,63 @@ fn info_kernels_lists_every_kernel_or_says_why_there_are_none() {
     }
 }
 
+/// `info --kernels` also counts each kernel's instructions by class in its disassembly; where no
+/// llvm-objdump is found it says so, which CI (`HIPKV_REQUIRE_HIP=1`) does not accept.
+#[test]
+fn info_kernels_counts_each_kernels_instructions() {
+    if hipkv::kernels::code_objects().is_empty() {
+        return; // the test above checks what it says instead
+    }
+    let out = hipkv(&["info", "--kernels"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}");
+    if let Some(line) = text
+        .lines()
+        .find(|l| l.starts_with("no instruction census: "))
+    {
+        assert!(std::env::var_os("HIPKV_REQUIRE_HIP").is_none(), "{line}");
+        eprintln!("SKIPPED the instruction census: {line}");
+        return;
+    }
+    let census = text
+        .split("instruction census: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no census:\n{text}"));
+    let header = census.lines().find(|l| l.starts_with("kernel ")).unwrap();
+    for column in [
+        "instrs", "VALU", "FMA", "dot", "flat", "byte", "B/load", "ld+ds w",
+    ] {
+        assert!(header.contains(column), "{header}");
+    }
+    for k in hipkv::codeobj::embedded_kernels().unwrap() {
+        let cells: Vec<&str> = census
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|c| c.first() == Some(&k.name.as_str()))
+            .unwrap_or_else(|| panic!("no census row for {}:\n{census}", k.name));
+        assert_eq!(cells.len(), 15, "{cells:?}");
+        let n = |i: usize| cells[i].parse::<usize>().unwrap();
+        let (instrs, valu, fma, dot, pk, salu, smem) = (n(1), n(2), n(3), n(4), n(5), n(6), n(7));
+        let (loads, flat, byte, lds, waits, load_lds) = (n(8), n(9), n(10), n(12), n(13), n(14));
+        assert!(
+            valu + salu + smem + loads + lds + waits <= instrs,
+            "{cells:?}"
+        );
+        assert!(
+            fma + dot + pk <= valu && flat <= loads && byte <= loads,
+            "{cells:?}"
+        );
+        assert!(load_lds <= waits, "{cells:?}");
+        // Every kernel reads its inputs; the attention kernels (one per format pair and
+        // head_dim) accumulate with f32 multiply-adds.
+        assert!(loads > 0, "{cells:?}");
+        if k.name.starts_with("hipkv_attn_") && k.name.rsplit('_').next().unwrap().starts_with('d')
+        {
+            assert!(fma > 0, "{cells:?}");
+        }
+    }
+}
+
 #[test]
 fn info_lists_every_place_it_looked_for_the_hip_runtime() {
     let out = hipkv_with(

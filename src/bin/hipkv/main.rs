@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 mod batch;
+mod census;
 #[cfg(feature = "peer-llamacpp")]
 mod peer;
 
@@ -260,6 +261,8 @@ enum CliError {
     Json(#[from] serde_json::Error),
     #[error("cannot read an embedded code object: {0}")]
     CodeObject(#[from] hipkv::codeobj::CodeObjectError),
+    #[error("instruction census: {0}")]
+    Census(#[from] census::CensusError),
     #[error(transparent)]
     Eval(#[from] hipkv::eval::EvalError),
     #[error("{path}: not the JSON of `hipkv eval --save`: {source}")]
@@ -598,6 +601,36 @@ fn info_kernels() -> Result<(), CliError> {
          LDS: static bytes per workgroup.\n\
          waves/SIMD: the occupancy the VGPRs, LDS and workgroup size allow when the kernel runs \
          alone (LLVM's model; `?` for an arch it is not known for)."
+    );
+    let tool = match census::objdump() {
+        Ok(tool) => tool,
+        Err(why) => {
+            println!(
+                "
+no instruction census: {why}"
+            );
+            return Ok(());
+        }
+    };
+    let mut counted = Vec::new();
+    for object in objects {
+        counted.extend(census::of_code_object(&tool, object)?);
+    }
+    println!(
+        "
+instruction census: static counts in each kernel's disassembly ({} -d), a loop \
+         counting once
+",
+        tool.display()
+    );
+    print!("{}", census::table(&counted));
+    println!(
+        "
+VALU: vector ALU instructions, of which FMA (v_fma*), dot (v_dot*) and pk (v_pk_*); \
+         SMEM: scalar loads; loads: vector memory loads (global, flat and buffer), of which flat \
+         (generic addresses, which also wait on LDS) and byte (one byte per lane); B/load: bytes \
+         per lane per load; LDS: ds_*; waits: s_wait_*, of which ld+ds w waits for memory and \
+         LDS at once (s_wait_loadcnt_dscnt)."
     );
     Ok(())
 }
