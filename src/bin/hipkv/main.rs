@@ -1094,8 +1094,7 @@ fn median_step_times(
         .collect())
 }
 
-/// The `--peer` library, ready to build its caches.
-#[cfg(feature = "peer-llamacpp")]
+/// The `--peer` library, ready to build its caches; an error where this build has none.
 fn open_peer<'a>(
     name: Option<PeerName>,
     backend: Backend,
@@ -1107,45 +1106,38 @@ fn open_peer<'a>(
     let Some(PeerName::LlamaCpp) = name else {
         return Ok(None);
     };
-    let llama = match backend {
-        Backend::Cpu => peer::LlamaCpp::cpu(rayon::current_num_threads())?,
-        Backend::Hip => peer::LlamaCpp::gpu()?,
-        Backend::Emu => {
-            return Err(CliError::Usage(
-                "--peer compares speed on the CPU or a GPU, not on the emulator".into(),
-            ));
-        }
-    };
-    let shape = peer::PeerShape {
-        kv_heads: shape.kv_heads,
-        q_heads: shape.q_heads,
-        head_dim: shape.head_dim,
-    };
-    Ok(Some(Box::new(peer::LlamaCppBench::new(
-        llama,
-        shape,
-        pool,
-        query,
-        working_set,
-    ))))
-}
-
-#[cfg(not(feature = "peer-llamacpp"))]
-fn open_peer<'a>(
-    name: Option<PeerName>,
-    _: Backend,
-    _: Shape,
-    _: &'a TokenPool,
-    _: &'a [f32],
-    _: usize,
-) -> Result<Option<Box<dyn Peer + 'a>>, CliError> {
-    match name {
-        None => Ok(None),
-        Some(_) => Err(CliError::Usage(
+    #[cfg(not(feature = "peer-llamacpp"))]
+    {
+        let _ = (backend, shape, pool, query, working_set);
+        Err(CliError::Usage(
             "this hipkv was built without the `peer-llamacpp` feature; scripts/peer-llamacpp.sh \
              bench builds it and runs the comparison"
                 .into(),
-        )),
+        ))
+    }
+    #[cfg(feature = "peer-llamacpp")]
+    {
+        let llama = match backend {
+            Backend::Cpu => peer::LlamaCpp::cpu(rayon::current_num_threads())?,
+            Backend::Hip => peer::LlamaCpp::gpu()?,
+            Backend::Emu => {
+                return Err(CliError::Usage(
+                    "--peer compares speed on the CPU or a GPU, not on the emulator".into(),
+                ));
+            }
+        };
+        let shape = peer::PeerShape {
+            kv_heads: shape.kv_heads,
+            q_heads: shape.q_heads,
+            head_dim: shape.head_dim,
+        };
+        Ok(Some(Box::new(peer::LlamaCppBench::new(
+            llama,
+            shape,
+            pool,
+            query,
+            working_set,
+        ))))
     }
 }
 

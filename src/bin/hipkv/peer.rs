@@ -244,6 +244,8 @@ impl PeerSteps {
                 head_dim: shape.head_dim,
             });
         }
+        // What ggml would abort on, as panics here: GQA by broadcasting needs whole groups.
+        assert!(shape.kv_heads > 0 && shape.q_heads.is_multiple_of(shape.kv_heads));
         assert_eq!(query.len(), shape.q_heads * shape.head_dim);
         let width = shape.kv_heads * shape.head_dim;
         // Per sequence: K, V, their per-head views and permutations, the output.
