@@ -38,7 +38,7 @@ pub enum PeerType {
 
 impl PeerType {
     /// f16 against f16, 8-bit schemes against `q8_0`, every scheme below 8 bits against `q4_0`,
-    /// llama.cpp's smallest cache type with a flash-attention kernel on every backend.
+    /// the usual 4-bit choice for llama.cpp's cache.
     pub fn for_scheme(scheme: Scheme) -> PeerType {
         match scheme.k.nominal_bits().max(scheme.v.nominal_bits()) {
             16.. => PeerType::F16,
