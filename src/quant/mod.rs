@@ -93,6 +93,39 @@ fn fp8_code(x: f32, scale: f32) -> u8 {
     e4m3_from_f32(x / scale)
 }
 
+/// Channels per block of an int8 query (`iq`): llama.cpp's `q8_0`/`q8_1` block.
+pub const QUERY_BLOCK: usize = 32;
+
+/// Rounds a query row to int8 per [`QUERY_BLOCK`] channels, as the `iq` attention does once per
+/// step: each block's scale is `s = max|x| / 127` in f32 (not rounded to f16: it never leaves
+/// the step) and its codes `round(x / s)`, so `|x − s·c| ≤ s/2 + |x|·2^-23` and every code lies in
+/// `[-127, 127]` (an all-zero block has `s = 0` and zero codes). A block holding a NaN or an
+/// infinity gets a NaN scale, so its scores come out NaN as the f32 path's would (`KvCache`
+/// refuses such queries first). Writes `x.len()` codes and `x.len() / 32` scales; `x` is a
+/// whole number of blocks (checked).
+pub fn quantize_query(x: &[f32], codes: &mut [i8], scales: &mut [f32]) {
+    assert!(
+        x.len().is_multiple_of(QUERY_BLOCK),
+        "a query row of whole 32-channel blocks"
+    );
+    assert!(codes.len() == x.len() && scales.len() == x.len() / QUERY_BLOCK);
+    for ((block, c), s) in x
+        .chunks_exact(QUERY_BLOCK)
+        .zip(codes.chunks_exact_mut(QUERY_BLOCK))
+        .zip(scales.iter_mut())
+    {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *s = if block.iter().all(|v| v.is_finite()) {
+            amax / 127.0
+        } else {
+            f32::NAN
+        };
+        for (c, &v) in c.iter_mut().zip(block) {
+            *c = sym_code(v, *s);
+        }
+    }
+}
+
 /// Packs low-bit codes, element `j` at bit `bits * (j % codes_per_byte)` of byte
 /// `j / codes_per_byte` (low nibble first).
 pub fn pack_codes(codes: &[u8], bits: LowBits, out: &mut [u8]) {

@@ -1032,3 +1032,63 @@ fn normalized_codes_are_the_stored_codes_before_rounding() {
         }
     }
 }
+
+/// Checks [`quantize_query`]'s stated bound on one row: codes in `[-127, 127]`, each block's
+/// scale `max|x| / 127`, and `|x − s·c| ≤ s/2 + |x|·2^-23` (the division's rounding can move a
+/// half-way decision by that much).
+fn check_query(x: &[f32]) {
+    let mut codes = vec![0i8; x.len()];
+    let mut scales = vec![0f32; x.len() / QUERY_BLOCK];
+    quantize_query(x, &mut codes, &mut scales);
+    for ((block, c), &s) in x
+        .chunks_exact(QUERY_BLOCK)
+        .zip(codes.chunks_exact(QUERY_BLOCK))
+        .zip(&scales)
+    {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(s, amax / 127.0);
+        for (&v, &c) in block.iter().zip(c) {
+            assert!((-127..=127).contains(&c));
+            // In f64: `s·c` of the largest floats overflows f32.
+            let err = (f64::from(v) - f64::from(s) * f64::from(c)).abs();
+            let bound = f64::from(s) / 2.0 + f64::from(v.abs()) * 2f64.powi(-23);
+            assert!(err <= bound, "{v} -> {c} × {s}: error {err}");
+        }
+    }
+}
+
+#[test]
+fn query_blocks_of_zeros_constants_and_extremes() {
+    let d = 64;
+    check_query(&vec![0.0; d]);
+    check_query(&vec![-3.5; d]);
+    check_query(&vec![f32::MAX; d]);
+    check_query(&vec![f32::MIN_POSITIVE / 4.0; d]);
+    let mut one_hot = vec![0.0; d];
+    one_hot[37] = -1e30;
+    check_query(&one_hot);
+    let (mut codes, mut scales) = (vec![0i8; d], vec![0f32; 2]);
+    quantize_query(&one_hot, &mut codes, &mut scales);
+    assert_eq!((codes[37], scales[0]), (-127, 0.0));
+}
+
+#[test]
+fn a_query_block_with_a_nan_or_an_infinity_gets_a_nan_scale() {
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = vec![1.0; 64];
+        x[40] = bad;
+        let (mut codes, mut scales) = (vec![0i8; 64], vec![0f32; 2]);
+        quantize_query(&x, &mut codes, &mut scales);
+        assert_eq!(scales[0], 1.0 / 127.0);
+        assert!(scales[1].is_nan(), "{bad}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn query_rounding_meets_its_bound(x in row_case()) {
+        check_query(&x);
+    }
+}
