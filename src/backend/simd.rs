@@ -68,6 +68,36 @@ pub(crate) trait Kernel: Copy {
     /// `table` must repeat lanes 0..4 (see [`Kernel::crumb_table`]).
     unsafe fn crumb8(self, p: *const u8, j: u32, table: Self::V) -> Self::V;
 
+    // Integer dot products of the `iq` key scores (llama.cpp's CPU path): 32 one-byte codes per
+    // register, multiplied by an int8 query block and summed in 32-bit integers.
+
+    /// 32 bytes: unsigned codes or int8 query values.
+    type B: Copy;
+    /// 32 bytes as they are.
+    ///
+    /// # Safety
+    /// `p` points to 32 readable bytes.
+    unsafe fn bytes32(self, p: *const u8) -> Self::B;
+    /// The 32 4-bit codes of 16 bytes, one per byte, in the loops' `Order::Nibbles`: the low
+    /// nibbles of bytes 0..8, their high nibbles, then the same of bytes 8..16.
+    ///
+    /// # Safety
+    /// `p` points to 16 readable bytes.
+    unsafe fn nib32(self, p: *const u8) -> Self::B;
+    /// The 32 2-bit codes of 8 bytes, one per byte, in the loops' `Order::Crumbs`: bits 0..2 of
+    /// bytes 0..8, then bits 2..4, 4..6 and 6..8.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes.
+    unsafe fn crumb32(self, p: *const u8) -> Self::B;
+    /// `Σ u[i]·s[i]` of unsigned `u` (each at most 128) and signed `s` (each in `[-127, 127]`),
+    /// exact in 32-bit integers, as 8 f32 lanes whose sum is the dot product (lane `j` holds
+    /// products `4j..4j + 4`).
+    fn dot_u8_i8(self, u: Self::B, s: Self::B) -> Self::V;
+    /// [`dot_u8_i8`](Self::dot_u8_i8) of signed `a` (int8 codes) and `s`: `|a|` against `s`
+    /// with `a`'s signs.
+    fn dot_i8_i8(self, a: Self::B, s: Self::B) -> Self::V;
+
     /// The `crumb8` table of `scale · code + min` (lane `i` holds code `i % 4`), computed as
     /// `fmadd(code, scale, min)` like every other affine decode; `(1, 0)` gives the codes.
     #[inline(always)]
@@ -252,6 +282,49 @@ impl Kernel for Portable {
         let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
         b.map(|x| table[usize::from((x >> (2 * j)) & 3)])
     }
+
+    type B = [u8; 32];
+
+    #[inline(always)]
+    unsafe fn bytes32(self, p: *const u8) -> [u8; 32] {
+        // SAFETY: the caller guarantees 32 readable bytes.
+        unsafe { p.cast::<[u8; 32]>().read_unaligned() }
+    }
+
+    #[inline(always)]
+    unsafe fn nib32(self, p: *const u8) -> [u8; 32] {
+        // SAFETY: the caller guarantees 16 readable bytes.
+        let b = unsafe { p.cast::<[u8; 16]>().read_unaligned() };
+        std::array::from_fn(|i| {
+            let (half, nibble, byte) = (i / 16, (i / 8) % 2, i % 8);
+            (b[8 * half + byte] >> (4 * nibble)) & 15
+        })
+    }
+
+    #[inline(always)]
+    unsafe fn crumb32(self, p: *const u8) -> [u8; 32] {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
+        std::array::from_fn(|i| (b[i % 8] >> (2 * (i / 8))) & 3)
+    }
+
+    #[inline(always)]
+    fn dot_u8_i8(self, u: [u8; 32], s: [u8; 32]) -> [f32; 8] {
+        std::array::from_fn(|j| {
+            (4 * j..4 * j + 4)
+                .map(|i| i32::from(u[i]) * i32::from(s[i] as i8))
+                .sum::<i32>() as f32
+        })
+    }
+
+    #[inline(always)]
+    fn dot_i8_i8(self, a: [u8; 32], s: [u8; 32]) -> [f32; 8] {
+        std::array::from_fn(|j| {
+            (4 * j..4 * j + 4)
+                .map(|i| i32::from(a[i] as i8) * i32::from(s[i] as i8))
+                .sum::<i32>() as f32
+        })
+    }
 }
 
 /// x86-64 with AVX2, FMA and F16C; only constructed after detecting them.
@@ -418,6 +491,53 @@ mod avx2 {
                 let index = _mm256_srlv_epi32(bytes, _mm256_set1_epi32((2 * j) as i32));
                 _mm256_permutevar8x32_ps(table, index)
             }
+        }
+
+        type B = __m256i;
+
+        #[inline(always)]
+        unsafe fn bytes32(self, p: *const u8) -> __m256i {
+            // SAFETY: see the module note; the caller guarantees 32 readable bytes.
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+
+        #[inline(always)]
+        unsafe fn nib32(self, p: *const u8) -> __m256i {
+            // SAFETY: see the module note; the caller guarantees 16 readable bytes. Each 8-byte
+            // half goes to two 64-bit lanes, the second shifted down by a nibble.
+            unsafe {
+                let halves = _mm256_castsi128_si256(_mm_loadu_si128(p.cast()));
+                let spread = _mm256_permute4x64_epi64::<0b01_01_00_00>(halves);
+                let shifted = _mm256_srlv_epi64(spread, _mm256_setr_epi64x(0, 4, 0, 4));
+                _mm256_and_si256(shifted, _mm256_set1_epi8(15))
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn crumb32(self, p: *const u8) -> __m256i {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes, broadcast
+            // to the four 64-bit lanes and shifted by 0, 2, 4 and 6 bits.
+            unsafe {
+                let spread = _mm256_broadcastq_epi64(_mm_loadl_epi64(p.cast()));
+                let shifted = _mm256_srlv_epi64(spread, _mm256_setr_epi64x(0, 2, 4, 6));
+                _mm256_and_si256(shifted, _mm256_set1_epi8(3))
+            }
+        }
+
+        #[inline(always)]
+        fn dot_u8_i8(self, u: __m256i, s: __m256i) -> __m256 {
+            // SAFETY: see the module note; register-only. Pairs of products fit in 16 bits
+            // (`2 · 128 · 127 < 2^15`), so `maddubs` never saturates.
+            unsafe {
+                let pairs = _mm256_maddubs_epi16(u, s);
+                _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            }
+        }
+
+        #[inline(always)]
+        fn dot_i8_i8(self, a: __m256i, s: __m256i) -> __m256 {
+            // SAFETY: see the module note; register-only.
+            unsafe { self.dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a)) }
         }
 
         #[inline(always)]
@@ -710,5 +830,71 @@ mod tests {
             -126.0,
         ]));
         assert_eq!(special, vec![0.0, 0.0, 1.0, 0.5, 8.0, 0.0, 2f32.powi(-126)]);
+    }
+
+    /// The integer dot products of `iq` on fixed codes and queries: 32 packed bytes read as
+    /// int8, 4-bit and 2-bit codes, against queries at both ends of `[-127, 127]`.
+    struct IntegerDots {
+        packed: [u8; 32],
+        query: [i8; 32],
+    }
+    impl KernelFn<Vec<f32>> for IntegerDots {
+        fn call<K: Kernel>(self, k: K) -> Vec<f32> {
+            let p = self.packed.as_ptr();
+            let mut out = Vec::new();
+            let mut buf = [0f32; 8];
+            // SAFETY: `packed` and `query` hold 32 bytes each.
+            unsafe {
+                let q = k.bytes32(self.query.as_ptr().cast());
+                for v in [
+                    k.dot_i8_i8(k.bytes32(p), q),
+                    k.dot_u8_i8(k.nib32(p), q),
+                    k.dot_u8_i8(k.crumb32(p), q),
+                ] {
+                    k.store(v, &mut buf);
+                    out.extend(buf);
+                }
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn integer_dot_products_are_exact_in_the_loops_order() {
+        let mut rng = crate::synth::Rng::new(5);
+        for case in 0..64 {
+            let mut packed: [u8; 32] = std::array::from_fn(|_| rng.below(256) as u8);
+            let query: [i8; 32] = std::array::from_fn(|_| match case {
+                0 => 127,
+                1 => -127,
+                _ => (rng.below(255) as i32 - 127) as i8,
+            });
+            if case < 2 {
+                // The largest magnitudes: int8 -128 and all-ones codes.
+                packed[..16].fill(0x80);
+                packed[16..].fill(0xff);
+            }
+            // Position `p` of a 32-code block holds channel `Order::channel(p)`.
+            let nibble = |c: usize| i32::from((packed[c / 2] >> (4 * (c % 2))) & 15);
+            let crumb = |c: usize| i32::from((packed[c / 4] >> (2 * (c % 4))) & 3);
+            let nib_channel = |p: usize| (p & !15) + 2 * (p & 7) + ((p >> 3) & 1);
+            let crumb_channel = |p: usize| 4 * (p & 7) + ((p >> 3) & 3);
+            let lanes = |code: &dyn Fn(usize) -> i32| -> Vec<f32> {
+                (0..8)
+                    .map(|j| {
+                        (4 * j..4 * j + 4)
+                            .map(|p| code(p) * i32::from(query[p]))
+                            .sum::<i32>() as f32
+                    })
+                    .collect()
+            };
+            let mut want = lanes(&|p| i32::from(packed[p] as i8));
+            want.extend(lanes(&|p| nibble(nib_channel(p))));
+            want.extend(lanes(&|p| crumb(crumb_channel(p))));
+            let dots = IntegerDots { packed, query };
+            assert_eq!(dots.call(Portable), want, "portable, case {case}");
+            let dots = IntegerDots { packed, query };
+            assert_eq!(dispatch(dots), want, "dispatched, case {case}");
+        }
     }
 }
