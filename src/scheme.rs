@@ -374,6 +374,11 @@ pub struct Scheme {
     /// Low-bit streams whose codes decode through a per-layer codebook (`quant::Codebook`,
     /// KVQuant's nuq) calibrated on the model, instead of uniformly.
     pub nuq: StreamSet,
+    /// Keys are scored against the query rounded to int8 per 32-channel block (one f32 scale
+    /// each, `quant::quantize_query`), in integer dot products, as llama.cpp's CPU and GPU vec
+    /// kernels do: storage is unchanged, attention trades the query's last bits for the key
+    /// decode to f32 (`iq`; CPU backend only so far).
+    pub int_query: bool,
 }
 
 /// Named presets, in the order `hipkv info` and `hipkv bench` list them.
@@ -400,6 +405,7 @@ impl Scheme {
             outliers: None,
             rotation: StreamSet::None,
             nuq: StreamSet::None,
+            int_query: false,
         }
     }
 
@@ -497,6 +503,18 @@ impl Scheme {
                 )));
             }
         }
+        if self.int_query && !self.int_query_applies() {
+            return Err(Error::Unsupported(format!(
+                "iq with {} keys{}: integer dot products need uniform per-token integer codes \
+                 (q8, q8_0, q4_tok, q2_tok keys), scored as stored",
+                self.k,
+                match (self.nuq.applies(Stream::K), self.pre_rope) {
+                    (true, _) => " and nuq",
+                    (_, true) => " and pre_rope",
+                    _ => "",
+                }
+            )));
+        }
         if let Some(o) = self.outliers {
             if !(o.fraction > 0.0 && o.fraction < 0.5) {
                 return Err(Error::Unsupported(format!(
@@ -512,6 +530,14 @@ impl Scheme {
             }
         }
         Ok(())
+    }
+
+    /// Whether `iq` can score this scheme's keys: uniform per-token integer codes, scored as
+    /// stored (no codebook, no RoPE applied after decoding).
+    pub fn int_query_applies(&self) -> bool {
+        matches!(self.k, Format::Q8 | Format::Q8_0 | Format::Tok { .. })
+            && !self.nuq.applies(Stream::K)
+            && !self.pre_rope
     }
 
     /// Whether the given stream keeps an outlier store.
@@ -657,7 +683,11 @@ impl fmt::Display for Scheme {
             }
         }
         self.rotation.write(f, "rot")?;
-        self.nuq.write(f, "nuq")
+        self.nuq.write(f, "nuq")?;
+        if self.int_query {
+            f.write_str(",iq")?;
+        }
+        Ok(())
     }
 }
 
@@ -667,7 +697,7 @@ impl FromStr for Scheme {
     /// Parses `preset[,option…]` or `k=FMT,v=FMT[,option…]`. Options: `g=32|64`, `sinks=N`,
     /// `rv=N` (value window; the `kivi*` presets' default is 128, others' 0), `pre_rope`,
     /// `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`, `rot` (keys and
-    /// values), `rot=k` or `rot=v`, `nuq` (keys and values), `nuq=k` or `nuq=v`.
+    /// values), `rot=k` or `rot=v`, `nuq` (keys and values), `nuq=k` or `nuq=v`, `iq`.
     fn from_str(s: &str) -> Result<Self> {
         let mut k = None;
         let mut v = None;
@@ -719,6 +749,7 @@ impl FromStr for Scheme {
                 ("nuq", v) if StreamSet::parse(v).is_some() => {
                     scheme.nuq = StreamSet::parse(v).unwrap()
                 }
+                ("iq", None) => scheme.int_query = true,
                 _ => {
                     return Err(Error::ParseScheme(format!(
                         "unknown item `{item}` in `{s}` (presets: {})",

@@ -186,6 +186,13 @@ impl PagedCache {
             return Err(Error::Unsupported("layers must be positive".into()));
         }
         let spec = layout.spec();
+        if spec.scheme.int_query && backend != Backend::Cpu {
+            return Err(Error::Unsupported(format!(
+                "`iq` on the {} backend: the integer-query key scores run on the CPU \
+                 backend only so far (the HIP kernels score in f32)",
+                backend.name()
+            )));
+        }
         let engine = open_engine(backend, spec.head_dim)?;
         let state_bytes = (spec.max_seqs as u128)
             .checked_mul(layers as u128 * layout.state_bytes() as u128)

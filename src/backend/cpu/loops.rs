@@ -6,6 +6,7 @@ use crate::scheme::{Format, LowBits, Q8_0_BLOCK};
 
 use super::super::simd::{Kernel, KernelFn};
 use super::decode::*;
+use super::intq::{KeyOrderQuery, int_score_block};
 use super::view::{Block, CacheView, StreamBlock};
 use super::{HeadQueries, Partial};
 
@@ -33,6 +34,7 @@ macro_rules! with_head_dim {
         }
     }};
 }
+pub(super) use with_head_dim;
 
 pub(super) struct RunItem<'v, 'a> {
     pub(super) view: &'v CacheView<'a>,
@@ -80,6 +82,10 @@ pub(super) fn run_item<K: Kernel>(
     );
     let mut queries = Vec::new();
     k_order.permute(&hq.rows, d, &mut queries);
+    // `iq`: the int8 query in the key format's order, for the pages stored in it (f16 sinks
+    // and open pages are scored against the rows, which then hold the same rounded query).
+    let k_format = view.layout.head_layout().k.format;
+    let int_query = hq.int.as_ref().map(|q| KeyOrderQuery::new(q, k_format, d));
     let g = blocks.iter().map(|b| b.tokens).max().unwrap_or(0);
     let mut scores = vec![0f32; rows * g];
     let mut params = Vec::new();
@@ -124,7 +130,7 @@ pub(super) fn run_item<K: Kernel>(
                     };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                     let rows = ChanRows { codes, scale, min };
-                    correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                    correct_scores(k, &rows, block, order, &hq.rows, &mut scores, g);
                 }
                 LowBits::Two => {
                     let codes = ChanCodes::<2> {
@@ -133,11 +139,33 @@ pub(super) fn run_item<K: Kernel>(
                     };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                     let rows = ChanRows { codes, scale, min };
-                    correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                    correct_scores(k, &rows, block, order, &hq.rows, &mut scores, g);
                 }
             }
             for (r, b) in bias.iter().enumerate() {
                 scores[r * g..r * g + n].iter_mut().for_each(|s| *s += b);
+            }
+        } else if let Some(q) = int_query.as_ref().filter(|_| block.k.format == k_format) {
+            int_score_block(
+                k,
+                &block.k,
+                n,
+                q,
+                &mut params,
+                &mut scores,
+                g,
+                &mut prefetch_k,
+            );
+            if block.k.outliers.is_some() {
+                with_rows!(k, block.k, n, params, |rows| correct_scores(
+                    k,
+                    &rows,
+                    block,
+                    order,
+                    &hq.rows,
+                    &mut scores,
+                    g
+                ));
             }
         } else {
             let q = if order == Order::Natural {
@@ -147,7 +175,7 @@ pub(super) fn run_item<K: Kernel>(
             };
             with_rows!(k, block.k, n, params, |rows| {
                 score_block(k, &rows, n, d, q, &mut scores, g, &mut prefetch_k);
-                correct_scores(k, &rows, block, order, hq, &mut scores, g);
+                correct_scores(k, &rows, block, order, &hq.rows, &mut scores, g);
             });
         }
         softmax_block(k, hq, block.first_pos, n, &mut scores, g, d, &mut part);
@@ -230,14 +258,15 @@ pub(super) fn fold_chan_params<K: Kernel>(
     }
 }
 
-/// Sparse key outliers: corrects each score by `q · (exact − dense)`.
+/// Sparse key outliers: corrects each score by `q · (exact − dense)`, for the query rows `q`
+/// in natural order (the dequantized int8 rows for `iq` scores).
 #[inline(always)]
 pub(super) fn correct_scores<K: Kernel, R: Rows>(
     k: K,
     rows: &R,
     block: &Block<'_>,
     order: Order,
-    hq: &HeadQueries,
+    q: &[f32],
     scores: &mut [f32],
     g: usize,
 ) {
@@ -248,8 +277,8 @@ pub(super) fn correct_scores<K: Kernel, R: Rows>(
     for t in 0..block.tokens {
         for (c, x) in block.k.outliers(t) {
             let delta = x - dense_value(k, rows, order, t, c);
-            for r in 0..hq.pos.len() {
-                scores[r * g + t] += hq.rows[r * d + c] * delta;
+            for (r, q) in q.chunks_exact(d).enumerate() {
+                scores[r * g + t] += q[c] * delta;
             }
         }
     }
@@ -360,6 +389,7 @@ macro_rules! for_row_groups {
         }
     }};
 }
+pub(super) use for_row_groups;
 
 /// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
 /// rows per pass so each key row is decoded once per four query rows. `q` is in the rows'

@@ -9,6 +9,7 @@
 //! - [`paged`]: the paged calls (`write_kv`, `attend`, `copy_blocks`) on host memory.
 
 mod decode;
+mod intq;
 mod loops;
 pub(crate) mod paged;
 mod view;
@@ -17,10 +18,14 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use std::f32::consts::LOG2_E;
+
 use super::simd::dispatch;
+use crate::quant::{QUERY_BLOCK, quantize_query};
 
 pub(crate) use view::{CacheView, PagedSeq};
 
+use intq::IntQuery;
 use loops::RunItem;
 
 /// One query chunk of [`attend`]: `q_len × q_heads × head_dim` rows, and room for the output.
@@ -47,6 +52,9 @@ pub(crate) struct HeadQueries {
     pub(crate) pos: Vec<usize>,
     /// Positions a row attends to at most: its own and the `window − 1` before it.
     pub(crate) window: usize,
+    /// The rows rounded to int8 (`iq`), for keys scored in integers; `rows` then holds them
+    /// dequantized.
+    pub(crate) int: Option<IntQuery>,
 }
 
 impl HeadQueries {
@@ -145,6 +153,7 @@ fn prepare_queries(
     let spec = view.layout.spec();
     let (d, r) = (spec.head_dim, view.layout.gqa());
     let width = spec.q_heads * d;
+    let int_query = view.layout.scheme().int_query;
     queries
         .iter()
         .zip(seqs)
@@ -154,19 +163,40 @@ fn prepare_queries(
                 .map(|h| {
                     let mut rows = Vec::with_capacity(q_len * r * d);
                     let mut pos = Vec::with_capacity(q_len * r);
+                    let mut int = int_query.then(|| IntQuery {
+                        codes: vec![0; q_len * r * d],
+                        scales: vec![0.0; q_len * r * d / QUERY_BLOCK],
+                    });
                     for t in 0..q_len {
                         let p = seq.len - q_len + t;
                         for j in 0..r {
                             let at = t * width + (h * r + j) * d;
-                            rows.extend(
-                                query.q[at..at + d]
-                                    .iter()
-                                    .map(|x| x * scale * std::f32::consts::LOG2_E),
-                            );
+                            let row = &query.q[at..at + d];
+                            match &mut int {
+                                None => rows.extend(row.iter().map(|x| x * scale * LOG2_E)),
+                                Some(int) => {
+                                    // The f32 rows are the rounded query too: every score of
+                                    // the step is one of `q̂`.
+                                    let i = pos.len();
+                                    let codes = &mut int.codes[i * d..][..d];
+                                    let scales =
+                                        &mut int.scales[i * d / QUERY_BLOCK..][..d / QUERY_BLOCK];
+                                    quantize_query(row, codes, scales);
+                                    for (c, s) in codes.chunks_exact(QUERY_BLOCK).zip(scales) {
+                                        *s *= scale * LOG2_E;
+                                        rows.extend(c.iter().map(|&x| *s * f32::from(x)));
+                                    }
+                                }
+                            }
                             pos.push(p);
                         }
                     }
-                    HeadQueries { rows, pos, window }
+                    HeadQueries {
+                        rows,
+                        pos,
+                        window,
+                        int,
+                    }
                 })
                 .collect()
         })
