@@ -594,3 +594,59 @@ fn calibrate_writes_a_file_that_eval_uses() {
     assert!(err.contains("line 4: an unknown item"), "{err}");
     std::fs::remove_file(&file).unwrap();
 }
+
+/// `hipkv eval --iq` runs each scheme whose keys integer-query scores apply to beside its `iq`
+/// twin and prints the KL that adds; the others (per-channel keys) get no twin. Needs the eval
+/// model, as [`eval_model`].
+#[test]
+fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
+    let Some(model) = eval_model() else { return };
+    let out = hipkv(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "48",
+        "--chunk",
+        "16",
+        "--schemes",
+        "q4_tok;kivi2",
+        "--iq",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = report["schemes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["scheme"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["q4_tok", "q4_tok,iq", "kivi2"]);
+    let kl = |i: usize| report["schemes"][i]["mean_kl"].as_f64().unwrap();
+    assert!(
+        kl(1) > 0.0 && kl(1) != kl(0),
+        "iq twin KL {} vs {}",
+        kl(1),
+        kl(0)
+    );
+    let table = hipkv(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "48",
+        "--chunk",
+        "16",
+        "--schemes",
+        "q8",
+        "--iq",
+    ]);
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(table.status.success(), "{text}");
+    assert!(text.contains("integer-query key scores"), "{text}");
+}

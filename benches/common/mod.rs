@@ -12,6 +12,7 @@ pub fn schemes() -> Vec<Scheme> {
         .iter()
         .copied()
         .chain(["kivi2,outliers", "kivi2,pre_rope", "kivi2,nuq"])
+        .chain(["q8,iq", "q8_0,iq", "q4_tok,iq", "q2_tok,iq"])
         .map(|s| s.parse().expect("known scheme"))
         .collect()
 }

@@ -131,6 +131,10 @@ struct EvalArgs {
     /// Write the PNG plots (KL against bytes per token, KL against depth) into this folder.
     #[arg(long)]
     plots: Option<PathBuf>,
+    /// Also run every scheme whose keys `iq` can score with integer-query dot products, right
+    /// after it, and print how much KL that adds to the scheme's own.
+    #[arg(long)]
+    iq: bool,
 }
 
 /// Rust ignores SIGPIPE, so `println!` into a closed pipe (`hipkv info | head`) panics; a command
@@ -1328,7 +1332,10 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
     } else {
         EVAL_SCHEMES
     };
-    let schemes = eval::parse_schemes(args.schemes.as_deref().unwrap_or(default))?;
+    let mut schemes = eval::parse_schemes(args.schemes.as_deref().unwrap_or(default))?;
+    if args.iq {
+        schemes = with_int_query_twins(&schemes);
+    }
     if args.tokens.is_some_and(|n| n < 2) {
         return Err(CliError::Usage("--tokens must be at least 2".into()));
     }
@@ -1408,6 +1415,9 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
         if args.frontier {
             print_frontier(&report);
         }
+        if args.iq {
+            print_int_query(&report, &schemes);
+        }
         println!(
             "\n{} tokens × {} runs in {:.1} s ({:.0} tokens/s), {} threads",
             tokens.len(),
@@ -1440,6 +1450,65 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
         eprintln!("plots: {} {}", pareto.display(), depth.display());
     }
     Ok(())
+}
+
+/// Each scheme followed by its `iq` twin where integer-query scores apply and it has none.
+fn with_int_query_twins(schemes: &[Scheme]) -> Vec<Scheme> {
+    let mut out = Vec::with_capacity(2 * schemes.len());
+    for s in schemes {
+        out.push(*s);
+        let twin = Scheme {
+            int_query: true,
+            ..*s
+        };
+        if !s.int_query && s.int_query_applies() && !schemes.contains(&twin) {
+            out.push(twin);
+        }
+    }
+    out
+}
+
+/// What `iq` adds to each scheme's KL: the twin's mean KL against the scheme's over the same
+/// blocks of text, and whether it stays under the 10% that makes it worth a default.
+fn print_int_query(report: &hipkv::eval::Report, schemes: &[Scheme]) {
+    println!(
+        "\ninteger-query key scores (iq: the query rounded to int8 per 32 channels): the KL they add"
+    );
+    println!(
+        "{:<24}  {:>9}  {:>9}  {:>19}  {:>8}  verdict",
+        "scheme", "mean KL", "with iq", "added KL ± se", "added"
+    );
+    for (i, s) in schemes.iter().enumerate() {
+        let twin = Scheme {
+            int_query: true,
+            ..*s
+        };
+        let Some(j) = schemes
+            .iter()
+            .position(|x| *x == twin)
+            .filter(|_| !s.int_query)
+        else {
+            continue;
+        };
+        let (base, with) = (report.schemes[i].mean_kl, report.schemes[j].mean_kl);
+        let added = report
+            .kl_difference(j, i)
+            .map_or("-".to_string(), |(d, se)| format!("{d:+.1e} ± {se:.1e}"));
+        let relative = (with - base) / base;
+        println!(
+            "{:<24}  {:>9.2e}  {:>9.2e}  {:>19}  {:>7.1}%  {}",
+            report.schemes[i].scheme,
+            base,
+            with,
+            added,
+            100.0 * relative,
+            if relative < 0.1 {
+                "under 10%"
+            } else {
+                "10% or more"
+            }
+        );
+    }
 }
 
 /// The frontier: per byte budget, the measured scheme of least mean KL that fits in it.
