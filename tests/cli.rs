@@ -601,25 +601,21 @@ fn calibrate_writes_a_file_that_eval_uses() {
 #[test]
 fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
     let Some(model) = eval_model() else { return };
-    let out = hipkv(&[
-        "eval",
-        "--model",
-        model.to_str().unwrap(),
-        "--tokens",
-        "48",
-        "--chunk",
-        "16",
-        "--schemes",
-        "q4_tok;kivi2",
-        "--iq",
-        "--json",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let eval = |schemes: &str, json: bool| {
+        let mut args = vec!["eval", "--model", model.to_str().unwrap(), "--iq"];
+        args.extend(["--tokens", "48", "--chunk", "16", "--schemes", schemes]);
+        if json {
+            args.push("--json");
+        }
+        let out = hipkv(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    let report: serde_json::Value = serde_json::from_slice(&eval("q4_tok;kivi2", true)).unwrap();
     let names: Vec<&str> = report["schemes"]
         .as_array()
         .unwrap()
@@ -634,19 +630,6 @@ fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
         kl(1),
         kl(0)
     );
-    let table = hipkv(&[
-        "eval",
-        "--model",
-        model.to_str().unwrap(),
-        "--tokens",
-        "48",
-        "--chunk",
-        "16",
-        "--schemes",
-        "q8",
-        "--iq",
-    ]);
-    let text = String::from_utf8(table.stdout).unwrap();
-    assert!(table.status.success(), "{text}");
+    let text = String::from_utf8(eval("q8", false)).unwrap();
     assert!(text.contains("integer-query key scores"), "{text}");
 }

@@ -14,7 +14,7 @@ use crate::scheme::{Format, LowBits, Q8_0_BLOCK_BYTES};
 
 use super::super::simd::{Kernel, KernelFn};
 use super::decode::{Order, Packed};
-use super::loops::Prefetch;
+use super::loops::{Prefetch, for_token_pairs, tile_sums};
 use super::view::StreamBlock;
 
 /// One query row rounded to int8 per [`QUERY_BLOCK`] channels, in natural channel order.
@@ -99,7 +99,11 @@ trait IntKeys {
     ///
     /// # Safety
     /// `t < n` and `group_sums` points to this format's groups.
-    unsafe fn offset(&self, t: usize, group_sums: *const f32) -> f32;
+    #[inline(always)]
+    unsafe fn offset(&self, t: usize, group_sums: *const f32) -> f32 {
+        let _ = (t, group_sums);
+        0.0
+    }
 }
 
 /// `q8`: int8 codes, one scale per token.
@@ -123,11 +127,6 @@ impl IntKeys for Q8Keys<'_> {
     unsafe fn scale(&self, t: usize, _b: usize) -> f32 {
         // SAFETY: one scale per token, checked where built.
         unsafe { *self.scales.get_unchecked(t) }
-    }
-
-    #[inline(always)]
-    unsafe fn offset(&self, _t: usize, _group_sums: *const f32) -> f32 {
-        0.0
     }
 }
 
@@ -153,11 +152,6 @@ impl IntKeys for Q80Keys<'_> {
     unsafe fn scale(&self, t: usize, b: usize) -> f32 {
         // SAFETY: `n × blocks` scales, checked where built.
         unsafe { *self.scales.get_unchecked(t * self.blocks + b) }
-    }
-
-    #[inline(always)]
-    unsafe fn offset(&self, _t: usize, _group_sums: *const f32) -> f32 {
-        0.0
     }
 }
 
@@ -346,15 +340,9 @@ fn int_score_rows<K: Kernel, R: IntKeys, const QR: usize>(
     assert!(q.codes.len() >= (r0 + QR) * d && q.scales.len() >= (r0 + QR) * blocks);
     assert!(q.group_sums.len() >= (r0 + QR) * q.groups);
     assert!(n <= g && scores.len() >= (r0 + QR) * g);
-    let mut t = 0;
-    while t + 2 <= n {
-        prefetch.step(k);
-        int_score_tokens::<K, R, QR, 2>(k, keys, d, q, r0, t, scores, g);
-        t += 2;
-    }
-    if t < n {
-        int_score_tokens::<K, R, QR, 1>(k, keys, d, q, r0, t, scores, g);
-    }
+    for_token_pairs!(k, n, prefetch, |t, TT| int_score_tokens::<K, R, QR, TT>(
+        k, keys, d, q, r0, t, scores, g
+    ));
 }
 
 /// `scores[r][t0 + i] = q̂[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
@@ -399,12 +387,7 @@ fn int_score_tokens<K: Kernel, R: IntKeys, const QR: usize, const TT: usize>(
             }
         }
     }
-    const { assert!(QR * TT <= 8) };
-    let mut all = [k.splat(0.0); 8];
-    for (i, acc) in acc.iter().enumerate() {
-        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
-    }
-    let sums = k.hsum8(all);
+    let sums = tile_sums(k, &acc);
     let sp = scores.as_mut_ptr();
     for i in 0..TT {
         let t = t0 + i;

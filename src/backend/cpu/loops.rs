@@ -391,6 +391,42 @@ macro_rules! for_row_groups {
 }
 pub(super) use for_row_groups;
 
+/// Walks `$n` tokens two at a time, stepping `$prefetch` before each pair, then the last one
+/// alone, binding `$t0` to the first token and the constant `$tt` to how many: each key row
+/// decoded once feeds every query row of its pair.
+macro_rules! for_token_pairs {
+    ($k:expr, $n:expr, $prefetch:expr, |$t0:ident, $tt:ident| $body:expr) => {{
+        let n = $n;
+        let mut $t0 = 0;
+        while $t0 + 2 <= n {
+            $prefetch.step($k);
+            const $tt: usize = 2;
+            $body;
+            $t0 += 2;
+        }
+        if $t0 < n {
+            const $tt: usize = 1;
+            $body;
+        }
+    }};
+}
+pub(super) use for_token_pairs;
+
+/// The lane sums of a `TT × QR` tile of dot-product accumulators (token `i`, row `j` at
+/// `i · QR + j`), in one [`Kernel::hsum8`].
+#[inline(always)]
+pub(super) fn tile_sums<K: Kernel, const QR: usize, const TT: usize>(
+    k: K,
+    acc: &[[K::V; QR]; TT],
+) -> [f32; 8] {
+    const { assert!(QR * TT <= 8) };
+    let mut all = [k.splat(0.0); 8];
+    for (i, acc) in acc.iter().enumerate() {
+        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
+    }
+    k.hsum8(all)
+}
+
 /// `scores[r][t] = q[r] · key[t]` for every query row and the block's `n` tokens, up to four
 /// rows per pass so each key row is decoded once per four query rows. `q` is in the rows'
 /// order.
@@ -477,15 +513,9 @@ pub(super) fn score_rows<K: Kernel, R: Rows, const QR: usize>(
 ) {
     assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(R::CHUNK) && n <= g);
     assert!(scores.len() >= (r0 + QR) * g);
-    let mut t = 0;
-    while t + 2 <= n {
-        prefetch.step(k);
-        score_tokens::<K, R, QR, 2>(k, rows, d, q, r0, t, scores, g);
-        t += 2;
-    }
-    if t < n {
-        score_tokens::<K, R, QR, 1>(k, rows, d, q, r0, t, scores, g);
-    }
+    for_token_pairs!(k, n, prefetch, |t, TT| score_tokens::<K, R, QR, TT>(
+        k, rows, d, q, r0, t, scores, g
+    ));
 }
 
 /// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
@@ -525,12 +555,7 @@ pub(super) fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>
             }
         }
     }
-    const { assert!(QR * TT <= 8) };
-    let mut all = [k.splat(0.0); 8];
-    for (i, acc) in acc.iter().enumerate() {
-        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
-    }
-    let sums = k.hsum8(all);
+    let sums = tile_sums(k, &acc);
     let sp = scores.as_mut_ptr();
     for i in 0..TT {
         for j in 0..QR {
