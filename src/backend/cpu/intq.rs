@@ -1,8 +1,10 @@
 //! `iq` key scores: the query rounded to int8 per 32-channel block once per work item
 //! (`quant::quantize_query`), and each key block scored as an integer dot product of its codes
 //! with the query block, weighted by the product of the two blocks' scales, as llama.cpp's CPU
-//! vec-dot kernels do. The key codes are never converted to f32: a 4-bit block is two shifts
-//! and a mask, a 2-bit block three, then one multiply-add per query row.
+//! vec-dot kernels do. The key codes are never converted to f32: a 32-code block is unpacked
+//! once per token (4-bit: a load, a lane permute, a shift and a mask; 2-bit: a broadcast, a
+//! shift and a mask), then each query row takes an integer dot product, its conversion and one
+//! FMA with the block's weight.
 //!
 //! What is computed is exactly `q̂ · k̂`, the dequantized key against the dequantized query
 //! `q̂ = s·c` (the minimum term of the asymmetric formats included), up to f32 summation order;
@@ -17,7 +19,8 @@ use super::decode::{Order, Packed};
 use super::loops::{Prefetch, for_token_pairs, tile_sums};
 use super::view::StreamBlock;
 
-/// One query row rounded to int8 per [`QUERY_BLOCK`] channels, in natural channel order.
+/// The query rows of one (query, KV head) rounded to int8 per [`QUERY_BLOCK`] channels, in
+/// natural channel order.
 pub(crate) struct IntQuery {
     /// `rows × head_dim`.
     pub(crate) codes: Vec<i8>,

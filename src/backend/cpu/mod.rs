@@ -14,11 +14,10 @@ mod loops;
 pub(crate) mod paged;
 mod view;
 
+use std::f32::consts::LOG2_E;
 use std::ops::Range;
 
 use rayon::prelude::*;
-
-use std::f32::consts::LOG2_E;
 
 use super::simd::dispatch;
 use crate::quant::{QUERY_BLOCK, quantize_query};
