@@ -46,11 +46,14 @@ HIPKV_DEV void load_levels(const hipkv_attn_params &p) {
     barrier();
 }
 
-// Which streams of a launch have codebooks: bit 0 keys, bit 1 values. Held in a vector
-// register (`WaveRows::levels`) and made uniform where it is tested: a scalar register held
+// What a launch asks of the block loop: bit 0, keys have a codebook; bit 1, values have one;
+// bit 2, keys are scored from the int8-rounded query (`kIntQueryFlag`). Held in a vector
+// register (`WaveRows::flags`) and made uniform where it is tested: a scalar register held
 // through the block loop is what the kernels have none of to spare.
-HIPKV_DEV uint32_t levels_flags(const hipkv_attn_params &p) {
-    return vector_u32((p.k_levels != nullptr ? 1u : 0u) | (p.v_levels != nullptr ? 2u : 0u));
+constexpr uint32_t kIntQueryFlag = 4;
+HIPKV_DEV uint32_t launch_flags(const hipkv_attn_params &p) {
+    return vector_u32((p.k_levels != nullptr ? 1u : 0u) | (p.v_levels != nullptr ? 2u : 0u) |
+                      (p.int_query != 0 ? kIntQueryFlag : 0u));
 }
 
 // The codebook of `stream` (0: keys, 1: values) in LDS, or null when it has none.
@@ -121,9 +124,27 @@ struct WaveRows {
     const float *q;
     const float *qsum;         // group g, row r: qsum[g · qsum_stride + r]
     uint32_t qsum_stride;
-    uint32_t levels;           // the streams with codebooks (`levels_flags`)
+    uint32_t flags;            // `launch_flags`
     size_t out;                // row r's partials: partial_acc[(out + r)·D], partial_max[out + r]
 };
+
+// Adds to the scores of token `t` its key outliers' corrections `q · (exact − dense)`.
+template <int F, int D>
+HIPKV_DEV void add_key_outliers(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
+                                const WaveRows<D> &w, float s[kRows<D>]) {
+    if (k.cap == 0) return;
+    const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
+    const uint32_t n = load_u16(outlier_counts(k, p.g.k) + 2 * t);
+    HIPKV_ROLLED
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
+        const uint32_t c = load_u16(slot);
+        const float delta =
+            load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.flags, 0));
+        for (int r = 0; r < kRows<D>; ++r)
+            if ((uint32_t)r < w.n) s[r] += w.q[r * D + c] * delta;
+    }
+}
 
 // Scores of token `t` of the run for every query row: `s[r] = q[r] · key(t)`.
 template <int F, int D>
@@ -155,7 +176,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 for (int j = 0; j < 4; ++j) {
                     float x[8];
                     chunk_codes8<F>(b, j, x);
-                    decode_levels<F, 8>(w.levels, 0, x);
+                    decode_levels<F, 8>(w.flags, 0, x);
                     for (int r = 0; r < kRows<D>; ++r)
                         if ((uint32_t)r < rows)
                             for (int i = 0; i < 8; ++i)
@@ -196,7 +217,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 const uint32_t c = c0 + 8 * j;
                 float x[8];
                 chunk_codes8<F>(b, j, x);
-                decode_levels<F, 8>(w.levels, 0, x);
+                decode_levels<F, 8>(w.flags, 0, x);
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
                         for (int i = 0; i < 8; ++i) s[r] += qk[r * D + c + i] * x[i];
@@ -212,18 +233,95 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             for (int r = 0; r < kRows<D>; ++r) s[r] *= scale;
         }
     }
-    if (k.cap != 0) {
-        const uint32_t n = load_u16(outlier_counts(k, p.g.k) + 2 * t);
-        HIPKV_ROLLED
-        for (uint32_t i = 0; i < n; ++i) {
-            const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
-            const uint32_t c = load_u16(slot);
-            const float delta =
-                load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.levels, 0));
-            for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < rows) s[r] += q[r * D + c] * delta;
+    add_key_outliers<F, D>(p, k, t, w, s);
+}
+
+// The HIPKV_QUERY_BLOCK channels of block `b` of a key row in a format_int_query format, as
+// the format's B words of codes: q8 in two 16-byte loads, q4 in one, q2 in 8 bytes; q8_0's
+// codes, 2-byte aligned after the block's f16 scale, in 2-byte loads.
+template <int F>
+HIPKV_DEV void int_key_block(const uint8_t *row, uint32_t b, uint32_t key[format_bits(F)]) {
+    constexpr uint32_t B = format_bits(F);
+    if constexpr (kParams<F> == ParamsAt::BlockScale) {
+        const uint8_t *codes = row + q8_0_code_offset(b * HIPKV_QUERY_BLOCK);
+        for (uint32_t i = 0; i < B; ++i) key[i] = load2(codes + 4 * i) | load2(codes + 4 * i + 2) << 16;
+    } else {
+        const uint8_t *at = row + b * HIPKV_QUERY_BLOCK * B / 8;
+        for (uint32_t h = 0; h < (B + 3) / 4; ++h) {
+            const Bytes16 x = B == 2 ? load8(at) : load16(at + 16 * h);
+            for (uint32_t i = 0; i < 4 && 4 * h + i < B; ++i) key[4 * h + i] = x.w[i];
         }
     }
+}
+
+// Scores of token `t` from the int8-rounded query (`int_query`), as `score_token` computes them
+// from its f32 rows (which are that query, dequantized): each HIPKV_QUERY_BLOCK block's codes
+// dotted exactly in integers (`int_query_dots`), then weighted by the query block's scale (and
+// q8_0's key block scale); per-token groups add `min · Σq` as `score_token` does, and q8's
+// token scale is applied once.
+template <int F, int D>
+HIPKV_DEV void score_token_int(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
+                               const WaveRows<D> &w, float s[kRows<D>]) {
+    static_assert(format_int_query(F), "integer-query scores of integer codes only");
+    constexpr uint32_t B = format_bits(F), kBlocks = D / HIPKV_QUERY_BLOCK;
+    // The rows' codes and scales lie at the index of their f32 rows (`w.q`), scaled down. The
+    // codes are read with global loads (`load4`); the scales through a generic pointer, since
+    // global loads of them too spill VGPRs at head_dim 256 (the compiler schedules them earlier).
+    const size_t first = (size_t)(w.q - p.q_f32);
+    const uint8_t *qc = vector_ptr(reinterpret_cast<const uint8_t *>(p.q_codes) + first);
+    const float *qs = vector_ptr(p.q_scales + first / HIPKV_QUERY_BLOCK);
+    const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
+    for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
+    // Blocks per parameter group: a per-token group spans whole blocks; the others have one
+    // group (q8_0's block scales are applied per block).
+    const uint32_t per_group = format_is_tok(F) ? k.group / HIPKV_QUERY_BLOCK : kBlocks;
+    HIPKV_ROLLED
+    for (uint32_t g = 0; g < kBlocks / per_group; ++g) {
+        float dot[kRows<D>];
+        for (int r = 0; r < kRows<D>; ++r) dot[r] = 0.0f;
+        HIPKV_ROLLED
+        for (uint32_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+            uint32_t key[B];
+            int_key_block<F>(row, b, key);
+            // Each query word is loaded where it is used: the block's 8 words of every row held
+            // at once would spill at head_dim 256.
+            const uint8_t *block_codes = qc + b * HIPKV_QUERY_BLOCK;
+            int32_t idot[kRows<D>];
+            int_query_dots<B, kRows<D>>(
+                key, [&](int r, uint32_t i) { return load4(block_codes + r * D + 4 * i); }, w.n,
+                idot);
+            float weight = 1.0f;
+            if constexpr (kParams<F> == ParamsAt::BlockScale)
+                weight = q8_0_scale(row, b * HIPKV_QUERY_BLOCK);
+            for (int r = 0; r < kRows<D>; ++r) {
+                if ((uint32_t)r >= w.n) continue;
+                dot[r] += weight * qs[r * kBlocks + b] * (float)idot[r];
+            }
+        }
+        if constexpr (format_is_tok(F)) {
+            const uint8_t *gp = k.params + 4 * ((size_t)t * (kBlocks / per_group) + g);
+            const float scale = load_f16(gp), min = load_f16(gp + 2);
+            for (int r = 0; r < kRows<D>; ++r)
+                if ((uint32_t)r < w.n) s[r] += scale * dot[r] + min * w.qsum[g * w.qsum_stride + r];
+        } else {
+            for (int r = 0; r < kRows<D>; ++r) s[r] += dot[r];
+        }
+    }
+    if constexpr (kParams<F> == ParamsAt::TokenScale) {
+        const float scale = load_f16(k.params + 2 * t);
+        for (int r = 0; r < kRows<D>; ++r) s[r] *= scale;
+    }
+    add_key_outliers<F, D>(p, k, t, w, s);
+}
+
+// The scores of token `t` of a block stream in format F: from the int8-rounded query when the
+// launch asks for it and F has integer codes, else from the f32 rows.
+template <int F, int D>
+HIPKV_DEV void score_block_token(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
+                                 const WaveRows<D> &w, float s[kRows<D>]) {
+    if constexpr (format_int_query(F))
+        if (uniform_u32(w.flags) & kIntQueryFlag) return score_token_int<F, D>(p, k, t, w, s);
+    score_token<F, D>(p, k, t, w, s);
 }
 
 // Rotates the pair (x, y) of pair index `i` by the angle of position `pos`.
@@ -296,7 +394,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             const uint8_t *slot = outlier_slots(k, p.g.k) + 4 * ((size_t)t * k.cap + i);
             const uint32_t c = load_u16(slot);
             const float delta =
-                load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.levels, 0));
+                load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.flags, 0));
             // The pair holding c, and whether c is its first element.
             const bool inter = p.g.rope_pairs_interleaved != 0;
             const uint32_t pair = inter ? c / 2 : c % pairs;
@@ -310,12 +408,12 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
     }
 }
 
-// Accumulates the values of the run's `n` tokens, weighted by `w[r][t]` (in LDS); `levels` as
-// `WaveRows::levels`.
+// Accumulates the values of the run's `n` tokens, weighted by `w[r][t]` (in LDS); `flags` as
+// `WaveRows::flags`.
 template <int F, int D>
 HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v, uint32_t t0,
                                  uint32_t n, const float (*w)[HIPKV_WAVE], uint32_t rows,
-                                 uint32_t levels, Acc<D> &acc) {
+                                 uint32_t flags, Acc<D> &acc) {
     constexpr int kPer = Acc<D>::kPerLane;
     const uint32_t c0 = lane_id() * kPer;
     HIPKV_ROLLED
@@ -327,7 +425,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
             for (int i = 0; i < kPer; ++i) x[i] = code1<F>(row, c0 + i);
         else
             lane_codes<F, kPer>(row, c0, x);
-        decode_levels<F, kPer>(levels, 1, x);
+        decode_levels<F, kPer>(flags, 1, x);
         float scale, min;
         element_params<F>(row, v.params, t, c0, D, v.group, &scale, &min);
         if constexpr (format_is_chan(F)) {
@@ -355,7 +453,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
                 const uint32_t c = load_u16(slot);
                 if (c < c0 || c >= c0 + kPer) continue;
                 const float delta =
-                    load_f16(slot + 2) - dequant1<F>(row, v.params, t, c, D, v.group, stream_codebook(levels, 1));
+                    load_f16(slot + 2) - dequant1<F>(row, v.params, t, c, D, v.group, stream_codebook(flags, 1));
                 // A constant index per element keeps the accumulators in registers.
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
@@ -388,7 +486,7 @@ HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const
         } else if (k_f16) {
             score_token<HIPKV_F16, D>(p, k, t, w, s);
         } else {
-            score_token<KF, D>(p, k, t, w, s);
+            score_block_token<KF, D>(p, k, t, w, s);
         }
     } else {
         for (int r = 0; r < kRows<D>; ++r) s[r] = kNegInf;
@@ -425,9 +523,9 @@ HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const
     }
     wave_sync();  // every weight is in LDS
     if (v_f16)
-        accumulate_values<HIPKV_F16, D>(p, v, t0, n, weights, w.n, w.levels, acc);
+        accumulate_values<HIPKV_F16, D>(p, v, t0, n, weights, w.n, w.flags, acc);
     else
-        accumulate_values<VF, D>(p, v, t0, n, weights, w.n, w.levels, acc);
+        accumulate_values<VF, D>(p, v, t0, n, weights, w.n, w.flags, acc);
 }
 
 // Rows [t_begin, t_end) of a block whose row 0 is at position pos0, in runs of 32.
@@ -578,7 +676,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
     const uint32_t t0 = row0 / gqa;
     w.first_limit = sq.len - sq.q_len + t0 + 1;
     w.steps = 0;
-    w.levels = levels_flags(p);
+    w.flags = launch_flags(p);
     for (int r = 0; r < kRows<D>; ++r) w.steps |= ((row0 + (uint32_t)r) / gqa - t0) << (3 * r);
     const uint32_t max_limit = w.first_limit + (row0 + w.n - 1) / gqa - t0;
     // Rows of one KV head are contiguous in the prepared queries and in the partials.
@@ -688,11 +786,34 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 }  // namespace hipkv
 
 #if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
+namespace hipkv {
+
+// Rounds channel c of query row `row` to int8, as `quant::quantize_query` does, for a wave whose
+// lanes hold one HIPKV_QUERY_BLOCK block (every lane takes part): the block's scale is
+// max|x| / 127 (NaN when the block holds a NaN or an infinity). Writes the code at its
+// `int_query_slot` and (lane 0) the scale times `factor`, and returns the rounded value times
+// `factor`: the f32 row the scores then read.
+HIPKV_DEV float round_query(const hipkv_attn_params &p, size_t row, uint32_t c, float x,
+                            float factor) {
+    const float amax = wave_max(fabsf(x));
+    const bool finite = wave_max(fabsf(x) <= __FLT_MAX__ ? 0.0f : 1.0f) == 0.0f;
+    const float scale = finite ? amax / Int8Codes::kMaxCode : __builtin_nanf("");
+    const uint8_t code = Int8Codes::encode(x, scale);
+    const size_t d = p.g.head_dim;
+    reinterpret_cast<uint8_t *>(p.q_codes)[row * d + int_query_slot(p.int_query, c)] = code;
+    const float s = scale * factor;
+    if (lane_id() == 0) p.q_scales[(row * d + c) / HIPKV_QUERY_BLOCK] = s;
+    return s * Int8Codes::value(code);
+}
+
+}  // namespace hipkv
+
 // hipkv_attn_prep: grid (tokens, kv_heads), one wave. The query rows of one token and KV head
 // converted to f32 (rotated by H/√d when keys are) and scaled by softmax_scale · log2(e), laid
-// out [KV head][token][GQA row][channel]; their sums over each key parameter group, [KV
-// head][group][token][GQA row]; and the partial sums of every split cleared, so a row no
-// workgroup reaches reads as empty.
+// out [KV head][token][GQA row][channel]; with `int_query`, rounded to int8 first (and the codes
+// and scales written); their sums over each key parameter group, [KV head][group][token][GQA
+// row]; and the partial sums of every split cleared, so a row no workgroup reaches reads as
+// empty.
 HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
     const hipkv_paged_geometry &g = p.g;
     const uint32_t token = blockIdx.x, head = blockIdx.y, lane = hipkv::lane_id();
@@ -723,8 +844,10 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
         for (uint32_t gi = 0; gi < groups; ++gi) {
             float sum = 0.0f;
             for (uint32_t c = gi * group + lane; c < (gi + 1) * group; c += HIPKV_WAVE) {
-                float x = rotate ? (float)rotated[c] : load(c);
-                x *= factor;
+                const float in = rotate ? (float)rotated[c] : load(c);
+                // Groups are whole query blocks: the wave holds one block here.
+                const float x = p.int_query != 0 ? hipkv::round_query(p, row, c, in, factor)
+                                                 : in * factor;
                 p.q_f32[row * d + c] = x;
                 sum += x;
             }

@@ -377,7 +377,7 @@ pub struct Scheme {
     /// Keys are scored against the query rounded to int8 per 32-channel block (one f32 scale
     /// each, `quant::quantize_query`), in integer dot products, as llama.cpp's CPU and GPU vec
     /// kernels do: storage is unchanged, attention trades the query's last bits for the key
-    /// decode to f32 (`iq`; CPU backend only so far).
+    /// decode to f32 (`iq`; every backend: docs/kernels.md, "Integer-query key scores").
     pub int_query: bool,
 }
 

@@ -121,65 +121,10 @@ fn outlier_corrections_on_heavy_tailed_data() {
     common::check_heavy_tailed_outliers(hipkv::Backend::Cpu);
 }
 
-/// The query of `iq` as the CPU backend rounds it: each head's row (rotated first for rotated
-/// keys, the rotation undone after) to int8 per 32-channel block, dequantized.
-fn rounded_query(q: &[f32], scheme: &hipkv::Scheme, d: usize) -> Vec<f32> {
-    let rotated = scheme.rotation.applies(hipkv::Stream::K);
-    let mut out = q.to_vec();
-    for row in out.chunks_exact_mut(d) {
-        if rotated {
-            hipkv::quant::hadamard_exact(row);
-        }
-        let (mut codes, mut scales) = (vec![0i8; d], vec![0f32; d / 32]);
-        hipkv::quant::quantize_query(row, &mut codes, &mut scales);
-        for (i, x) in row.iter_mut().enumerate() {
-            *x = scales[i / 32] * f32::from(codes[i]);
-        }
-        if rotated {
-            hipkv::quant::hadamard_exact(row);
-        }
-    }
-    out
-}
-
-/// `iq` computes the attention of the rounded query exactly: the naive reference over the
-/// cache's rows and the dequantized int8 query within the kernels' 1e-5, sinks, open pages and
-/// outlier corrections included; and the rounding is visible against the exact query.
+/// `iq` computes the attention of the rounded query exactly (see the helper).
 #[test]
 fn integer_query_attends_with_the_rounded_query() {
-    for (i, scheme) in [
-        "q8,iq",
-        "q8_0,iq",
-        "q4_tok,iq",
-        "q2_tok,iq",
-        "k=q4_tok@64,v=q2_chan,iq",
-        "k=q2_tok@head,v=f16,iq,sinks=3",
-        "q4_tok,iq,outliers=kv",
-        "k=q8,v=q4_tok,iq,rot",
-    ]
-    .iter()
-    .enumerate()
-    {
-        for (d, gqa, len, q_len) in [(64, 4, 150, 1), (128, 2, 77, 3), (256, 1, 200, 1)] {
-            let cfg = config(scheme, 2, gqa, d, 256);
-            let mut rng = Rng::new(100 + i as u64);
-            let mut cache = KvCache::new(cfg).unwrap();
-            fill(&mut cache, 0, len, 11, &mut rng);
-            let q = rng.normals(q_len * cfg.q_heads * d);
-            let scale = 1.0 / (d as f32).sqrt();
-            let mut out = vec![0f32; q.len()];
-            cache.attend(0, 0, &q, scale, &mut out).unwrap();
-            let what = format!("{scheme} d={d} gqa={gqa} len={len} q_len={q_len}");
-            let rounded = rounded_query(&q, &cfg.scheme, d);
-            let want = naive_attend(&cache, 0, &rounded, scale);
-            common::assert_outputs_close(&cfg.scheme, &out, &want, d, TOLERANCE, &what);
-            let exact = naive_attend(&cache, 0, &q, scale);
-            assert!(
-                rel_err(&out, &exact) > 10.0 * TOLERANCE,
-                "{what}: no rounding seen"
-            );
-        }
-    }
+    common::check_integer_query(hipkv::Backend::Cpu);
 }
 
 #[test]
@@ -203,12 +148,4 @@ fn integer_query_is_refused_where_it_does_not_apply() {
             "{scheme}: {err}"
         );
     }
-    let cfg = config("q4_tok,iq", 1, 2, 64, 64);
-    let err = KvCache::with_backend(cfg, hipkv::Backend::Emu)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, hipkv::Error::Unsupported(ref m) if m.contains("CPU")),
-        "{err}"
-    );
 }

@@ -34,6 +34,8 @@ unsafe extern "C" {
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
     fn hipkv_ffi_hadamard(x: *mut f32, head_dim: u32);
     fn hipkv_ffi_hadamard_scale_f64(head_dim: u32) -> f64;
+    fn hipkv_ffi_int_query_applies(format: i32) -> bool;
+    fn hipkv_ffi_int_query_dot(bits: u32, key: *const u8, query: *const i8) -> i32;
 }
 
 #[test]
@@ -409,6 +411,54 @@ fn sixteen_byte_chunks_decode_as_rows_do() {
                     "{f} chunk {chunk:?} j {j}"
                 );
             }
+        }
+    }
+}
+
+/// Integer-query scores (`iq`) apply in the kernels to the key formats the scheme accepts them
+/// for, and one block's dot product there, the query's codes placed in the kernels' order, is
+/// exactly `Σ q·code` over the codes the reference unpacks: random blocks and the extremes.
+#[test]
+fn integer_query_dots_are_exact_in_the_kernels_order() {
+    for name in hipkv::scheme::KERNEL_FORMATS {
+        let scheme: hipkv::Scheme = format!("k={name},v=f16").parse().unwrap();
+        // SAFETY: a pure function of its argument.
+        let applies = unsafe { hipkv_ffi_int_query_applies(scheme.k.abi_code() as i32) };
+        assert_eq!(applies, scheme.int_query_applies(), "{name}");
+    }
+    let mut rng = Rng::new(8);
+    for bits in [8usize, 4, 2] {
+        let low = match bits {
+            4 => Some(LowBits::Four),
+            2 => Some(LowBits::Two),
+            _ => None,
+        };
+        let mut cases: Vec<(Vec<u8>, Vec<i8>)> = (0..200)
+            .map(|_| {
+                let key = (0..4 * bits).map(|_| rng.below(256) as u8).collect();
+                let query = (0..32)
+                    .map(|_| (rng.below(255) as i32 - 127) as i8)
+                    .collect();
+                (key, query)
+            })
+            .collect();
+        // The largest magnitudes: every code at its extreme against ±127.
+        let top = if bits == 8 { 0x81 } else { 0xff }; // -127 as int8, or every code maximal
+        cases.push((vec![top; 4 * bits], vec![-127; 32]));
+        cases.push((vec![top; 4 * bits], vec![127; 32]));
+        for (key, query) in cases {
+            let want: i32 = (0..32)
+                .map(|c| {
+                    let code = match low {
+                        Some(b) => i32::from(quant::code_at(&key, b, c)),
+                        None => i32::from(key[c] as i8),
+                    };
+                    i32::from(query[c]) * code
+                })
+                .sum();
+            // SAFETY: `key` holds the block's 4·bits bytes and `query` its 32 codes.
+            let got = unsafe { hipkv_ffi_int_query_dot(bits as u32, key.as_ptr(), query.as_ptr()) };
+            assert_eq!(got, want, "{bits}-bit key {key:?} query {query:?}");
         }
     }
 }

@@ -1,8 +1,8 @@
 //! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`) on
 //! a cache the write kernels filled, against the naive f64 reference over the same cache bytes:
 //! every key × value format pair, head_dim 64/128/256, GQA 1–16, empty and partial pages, sinks,
-//! outliers, RoPE before and after quantization, codebooks, long contexts with many splits and
-//! batches of sequences.
+//! outliers, RoPE before and after quantization, codebooks, integer-query scores, long contexts
+//! with many splits and batches of sequences.
 
 mod common;
 
@@ -178,6 +178,12 @@ fn an_empty_split_and_sequences_of_one_token() {
         &[1, 2, 3, 290, 129],
         4,
     );
+}
+
+/// The integer-query scores (`iq`): dot4 over the rounded query's codes in the kernels' order.
+#[test]
+fn integer_query_attends_with_the_rounded_query() {
+    common::check_integer_query(Backend::Emu);
 }
 
 #[test]

@@ -73,3 +73,26 @@ extern "C" void hipkv_ffi_hadamard(float *x, uint32_t d) {
         for (uint32_t b = 0; b < d / 2; ++b) hipkv::hadamard_butterfly(x, b, h);
     for (uint32_t c = 0; c < d; ++c) x[c] *= hipkv::hadamard_scale(d);
 }
+
+// Whether integer-query scores (`iq`) apply to keys stored in `format`.
+extern "C" bool hipkv_ffi_int_query_applies(int format) { return hipkv::format_int_query(format); }
+
+// One HIPKV_QUERY_BLOCK block's integer-query dot product as the attention kernels compute it:
+// `key` the block's codes as stored (bits · 4 bytes; q8_0's after its scale), `query` its 32
+// int8 codes in channel order, placed at their `int_query_slot` as hipkv_attn_prep places them.
+extern "C" int32_t hipkv_ffi_int_query_dot(uint32_t bits, const uint8_t *key, const int8_t *query) {
+    uint8_t placed[HIPKV_QUERY_BLOCK];
+    for (uint32_t c = 0; c < HIPKV_QUERY_BLOCK; ++c)
+        placed[hipkv::int_query_slot(bits, c)] = (uint8_t)query[c];
+    uint32_t q[HIPKV_QUERY_BLOCK / 4], k[8];
+    memcpy(q, placed, sizeof q);
+    memcpy(k, key, 4 * bits);
+    const auto word = [&](int, uint32_t i) { return q[i]; };
+    int32_t dot[1];
+    switch (bits) {
+        case 8: hipkv::int_query_dots<8, 1>(k, word, 1, dot); break;
+        case 4: hipkv::int_query_dots<4, 1>(k, word, 1, dot); break;
+        default: hipkv::int_query_dots<2, 1>(k, word, 1, dot); break;
+    }
+    return dot[0];
+}

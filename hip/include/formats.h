@@ -114,6 +114,40 @@ HIPKV_HD constexpr bool format_is_tok(int f) { return f == HIPKV_Q4_TOK || f == 
 HIPKV_HD constexpr bool format_is_chan(int f) { return f == HIPKV_Q4_CHAN || f == HIPKV_Q2_CHAN; }
 // The formats a codebook may apply to: the asymmetric low-bit ones.
 HIPKV_HD constexpr bool format_has_levels(int f) { return format_is_tok(f) || format_is_chan(f); }
+// The key formats integer-query scores apply to (`iq`, hipkv_attn_params::int_query): uniform
+// integer codes with per-token or per-block parameters (`Scheme::int_query_applies`).
+HIPKV_HD constexpr bool format_int_query(int f) {
+    return f == HIPKV_Q8 || f == HIPKV_Q8_0 || format_is_tok(f);
+}
+
+// Where channel c's code goes among a query row's int8 codes (`hipkv_attn_params::q_codes`)
+// for keys of `bits` bits per code (8, 4, 2), so that each 4-byte word of query codes lines up
+// with a key word unpacked by one shift and mask. A key word holds the codes of 4P channels
+// (P = 8/bits per byte, low bits first); `(word >> bits·j) & mask` keeps code j of each byte,
+// channels j + {0, P, 2P, 3P} of the word, which query word j of the key word's holds in that
+// order. 8-bit keys keep the natural order.
+HIPKV_HD uint32_t int_query_slot(uint32_t bits, uint32_t c) {
+    const uint32_t per = 8 / bits, i = c % (4 * per);
+    return c - i + (i % per) * 4 + i / per;
+}
+
+// dot[r] = Σ q_r · k over one HIPKV_QUERY_BLOCK-channel block, exactly, for rows r < rows: the
+// key's B words of codes as stored (two's-complement bytes, or unsigned low-bit codes, which
+// are < 128 and so the same as signed bytes) against each row's 8 words of query codes in
+// `int_query_slot` order, word i of row r being `query(r, i)`. Each key word is unpacked once
+// for every row.
+template <uint32_t B, int R, class Query>
+HIPKV_HD void int_query_dots(const uint32_t key[B], Query query, uint32_t rows, int32_t dot[R]) {
+    constexpr uint32_t per = 8 / B;
+    constexpr uint32_t mask = (0x01010101u << B) - 0x01010101u;  // B low bits of every byte
+    for (int r = 0; r < R; ++r) dot[r] = 0;
+    for (uint32_t w = 0; w < B; ++w)
+        for (uint32_t j = 0; j < per; ++j) {
+            const uint32_t k = (key[w] >> (B * j)) & mask;
+            for (int r = 0; r < R; ++r)
+                if ((uint32_t)r < rows) dot[r] = dot4_i8(query(r, w * per + j), k, dot[r]);
+        }
+}
 
 // Bytes of one token row of `head_dim` channels.
 HIPKV_HD uint32_t row_bytes(int f, uint32_t head_dim) {

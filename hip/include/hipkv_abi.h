@@ -23,6 +23,9 @@ enum hipkv_format {
     HIPKV_FP8 = 7,
 };
 
+// Channels per block of the int8-rounded query (`int_query`), each with its own scale.
+#define HIPKV_QUERY_BLOCK 32
+
 // Query heads per KV head the attention kernels handle at most.
 #define HIPKV_MAX_GQA 16
 // Query rows (token × GQA head) one attention wave computes. Four keep every row's softmax state
@@ -186,6 +189,11 @@ typedef struct hipkv_attn_params {
     // Sliding window: a query token attends to its own position and the window - 1 before it
     // (the blocks below are not read, so a server may have reused them); 0: to every position.
     uint32_t window;
+    // Key scores from the query rounded to int8 per HIPKV_QUERY_BLOCK channels (`iq`; q8, q8_0
+    // and q*_tok keys only): the bits of a key code (8, 4, 2), which order the query's codes;
+    // 0: f32 scores. Prep writes the codes and scales below, and every f32 row it writes is the
+    // rounded query, so the step is exactly the attention of the rounded query.
+    uint32_t int_query;
     const uint8_t *cache;
     const uint8_t *state;
     const void *q;              // tokens × q_heads × head_dim
@@ -201,6 +209,10 @@ typedef struct hipkv_attn_params {
     float *partial_acc;         // per (query row, split): head_dim floats, unnormalized
     float *partial_max;         // running maximum of the base-2 logits
     float *partial_sum;         // sum of 2^(logit - max); 0: the split saw no token
+    // `int_query` only (else null): laid out as q_f32, one int8 code per channel in the key
+    // format's dot order (`int_query_slot`), and one scale per block, scaled as q_f32.
+    uint32_t *q_codes;          // tokens × q_heads × head_dim / 4 words
+    float *q_scales;            // tokens × q_heads × head_dim / HIPKV_QUERY_BLOCK
     const float *k_levels;      // the codebooks of nuq streams (as hipkv_write_params::levels)
     const float *v_levels;
     hipkv_device_error *error;

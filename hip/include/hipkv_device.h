@@ -114,6 +114,19 @@ HIPKV_HD uint16_t float_to_bf16(float f) {
     return (uint16_t)((v.u + round) >> 16);
 }
 
+// `acc` plus the dot product of the four signed bytes of `a` with those of `b`, exact in 32 bits
+// (the integer-query key scores): one v_dot4_i32_iu8 on gfx11 and gfx12, dp4a on CUDA.
+HIPKV_HD int32_t dot4_i8(uint32_t a, uint32_t b, int32_t acc) {
+#if defined(__HIP_DEVICE_COMPILE__) && (defined(__GFX11__) || defined(__GFX12__))
+    return __builtin_amdgcn_sudot4(true, (int)a, true, (int)b, acc, false);
+#elif defined(__CUDA_ARCH__)
+    return __dp4a((int)a, (int)b, acc);
+#else
+    for (int i = 0; i < 4; ++i) acc += (int32_t)(int8_t)(a >> (8 * i)) * (int8_t)(b >> (8 * i));
+    return acc;
+#endif
+}
+
 // 16 bytes of a row as four little-endian words (see `load16`).
 struct alignas(16) Bytes16 {
     uint32_t w[4];
@@ -325,6 +338,17 @@ HIPKV_DEV uint32_t load4(const uint8_t *p) {
     uint32_t w;
     memcpy(&w, p, 4);
     return w;
+#endif
+}
+
+// 2 bytes of global memory, 2-aligned, in one load (`global_load_u16`).
+HIPKV_DEV uint32_t load2(const uint8_t *p) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    return *(const __attribute__((address_space(1))) uint16_t *)p;
+#else
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
 #endif
 }
 

@@ -4,6 +4,7 @@
 
 use crate::abi::{HIPKV_MAX_GQA, HIPKV_MAX_WAVES, hipkv_paged_geometry, hipkv_rows};
 use crate::error::{Error, Result};
+use crate::quant::QUERY_BLOCK;
 use crate::rope::Rope;
 use crate::scheme::{Format, HeadLayout, Scheme, Stream};
 
@@ -192,7 +193,8 @@ impl Layout {
     }
 
     /// Bytes of the workspace an `attend` call of up to `limits.max_tokens` query tokens needs:
-    /// the prepared queries, their per-group sums and the splits' partial outputs.
+    /// the prepared queries (with `iq`, also their int8 codes and block scales), their
+    /// per-group sums and the splits' partial outputs.
     pub fn workspace_bytes(&self, limits: BatchLimits) -> usize {
         self.workspace(limits).end
     }
@@ -214,9 +216,15 @@ impl Layout {
         let acc = take(rows * d * 4);
         let max = take(rows * 4);
         let sum = take(rows * 4);
+        let int_query = self.spec.scheme.int_query.then(|| {
+            let codes = take(tokens * q_heads * d);
+            let scales = take(tokens * q_heads * d / QUERY_BLOCK * 4);
+            (codes, scales)
+        });
         WorkspaceLayout {
             q,
             q_sums,
+            int_query,
             acc,
             max,
             sum,
@@ -282,6 +290,8 @@ impl Layout {
 pub(crate) struct WorkspaceLayout {
     pub(crate) q: usize,
     pub(crate) q_sums: usize,
+    /// `iq` only: the query's int8 codes and block scales.
+    pub(crate) int_query: Option<(usize, usize)>,
     pub(crate) acc: usize,
     pub(crate) max: usize,
     pub(crate) sum: usize,
@@ -358,5 +368,22 @@ mod tests {
         // Partials for every split of the tokens a workspace holds at least.
         assert_eq!(w.max - w.acc, MIN_PARTIAL_TOKENS * 8 * 64 * 4);
         assert_eq!(l.workspace_bytes(BatchLimits { max_tokens: 100 }), w.end);
+        assert!(w.int_query.is_none());
+    }
+
+    #[test]
+    fn an_integer_query_workspace_also_holds_the_codes_and_scales() {
+        let limits = BatchLimits { max_tokens: 100 };
+        let plain = Layout::new(spec("q4_tok")).unwrap().workspace(limits);
+        let w = Layout::new(spec("q4_tok,iq")).unwrap().workspace(limits);
+        let (codes, scales) = w.int_query.unwrap();
+        assert!(plain.end <= codes && codes < scales && scales < w.end);
+        assert!(codes % ALIGN == 0 && scales % ALIGN == 0);
+        // One byte per channel of the 100 tokens × 8 query heads × 64 channels, one f32 per 32.
+        assert_eq!(scales - codes, 100 * 8 * 64);
+        assert_eq!(
+            w.end - scales,
+            (100 * 8 * 2 * 4usize).next_multiple_of(ALIGN)
+        );
     }
 }

@@ -186,13 +186,6 @@ impl PagedCache {
             return Err(Error::Unsupported("layers must be positive".into()));
         }
         let spec = layout.spec();
-        if spec.scheme.int_query && backend != Backend::Cpu {
-            return Err(Error::Unsupported(format!(
-                "`iq` on the {} backend: the integer-query key scores run on the CPU \
-                 backend only so far (the HIP kernels score in f32)",
-                backend.name()
-            )));
-        }
         let engine = open_engine(backend, spec.head_dim)?;
         let state_bytes = (spec.max_seqs as u128)
             .checked_mul(layers as u128 * layout.state_bytes() as u128)
@@ -668,6 +661,11 @@ impl PagedCache {
             slot_state_bytes,
             softmax_scale: batch.softmax_scale,
             window: window.map_or(0, u),
+            int_query: if spec.scheme.int_query {
+                u(spec.scheme.k.nominal_bits())
+            } else {
+                0
+            },
             cache: std::ptr::null(),
             state: self.state.addr() as *const u8,
             q: batch.q as *const std::ffi::c_void,
@@ -685,6 +683,8 @@ impl PagedCache {
             partial_acc: std::ptr::null_mut(),
             partial_max: std::ptr::null_mut(),
             partial_sum: std::ptr::null_mut(),
+            q_codes: std::ptr::null_mut(),
+            q_scales: std::ptr::null_mut(),
             k_levels: self.levels(layer, Stream::K),
             v_levels: self.levels(layer, Stream::V),
             error: self.error.addr() as *mut hipkv_device_error,
@@ -714,6 +714,12 @@ impl PagedCache {
             partial_acc: at(w.acc),
             partial_max: at(w.max),
             partial_sum: at(w.sum),
+            q_codes: w
+                .int_query
+                .map_or(std::ptr::null_mut(), |(codes, _)| at(codes) as *mut u32),
+            q_scales: w
+                .int_query
+                .map_or(std::ptr::null_mut(), |(_, scales)| at(scales)),
             ..*params
         };
         // SAFETY: the caller's contract; the workspace parts lie within its

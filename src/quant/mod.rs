@@ -93,8 +93,9 @@ fn fp8_code(x: f32, scale: f32) -> u8 {
     e4m3_from_f32(x / scale)
 }
 
-/// Channels per block of an int8 query (`iq`): llama.cpp's `q8_0`/`q8_1` block.
-pub const QUERY_BLOCK: usize = 32;
+/// Channels per block of an int8 query (`iq`): llama.cpp's `q8_0`/`q8_1` block, and the
+/// kernels' `HIPKV_QUERY_BLOCK`.
+pub const QUERY_BLOCK: usize = crate::abi::HIPKV_QUERY_BLOCK as usize;
 
 /// Rounds a query row to int8 per [`QUERY_BLOCK`] channels, as the `iq` attention does once per
 /// step: each block's scale is `s = max|x| / 127` in f32 (not rounded to f16: it never leaves

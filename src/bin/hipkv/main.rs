@@ -418,7 +418,7 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          nuq (nuq=k, nuq=v): 4- and 2-bit codes decode through per-layer codebooks calibrated on\n\
          the model (128 bytes per layer).\n\
          iq: q8, q8_0 and q*_tok keys scored against the query rounded to int8 per 32 channels,\n\
-         in integer dot products; no bytes, CPU backend only.\n\
+         in integer dot products (v_dot4 on gfx1201); no bytes.\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
          tokens in the sub-8-bit presets), the residual page of q*_chan keys (32 tokens) and the\n\
          value window (rv=; kivi*: the last 128 tokens' values, in 128 + 32 rows)."
