@@ -53,6 +53,7 @@ fn main() -> ExitCode {
     for var in ENV_VARS {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    watch_toolchain();
     println!("cargo::rustc-check-cfg=cfg(hipkv_emu)");
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     if env::var_os("DOCS_RS").is_some() {
@@ -86,6 +87,22 @@ fn main() -> ExitCode {
             );
             write_code_objects(&out, &[], Some(&why));
             ExitCode::SUCCESS
+        }
+    }
+}
+
+/// Reruns the build when a named compiler or device library, or the default ROCm, appears,
+/// changes or goes: a toolchain installed after the first build would otherwise leave the cached
+/// "GPU kernels not built" in place with nothing to rebuild it. A path that does not exist is
+/// watched through its nearest existing ancestor (Cargo reruns on every build for a missing
+/// path), whose modification time changes when an entry is added to it.
+fn watch_toolchain() {
+    let named = ["HIPKV_CLANG", "HIPCC", "HIPKV_DEVLIB_DIR"]
+        .iter()
+        .filter_map(|v| env::var_os(v).map(PathBuf::from));
+    for path in named.chain([PathBuf::from("/opt/rocm/bin/hipcc")]) {
+        if let Some(existing) = path.ancestors().find(|p| p.exists()) {
+            println!("cargo:rerun-if-changed={}", existing.display());
         }
     }
 }
