@@ -30,18 +30,19 @@ pub(crate) struct IntQuery {
 
 /// A work item's [`IntQuery`] in the order of the key format's codes, with the dequantized
 /// query's sum over each key group (the minimum term of `q*_tok` keys).
-pub(super) struct KeyOrderQuery {
+pub(super) struct KeyOrderQuery<'a> {
     /// Codes as bytes, `rows × d`.
     codes: Vec<u8>,
-    scales: Vec<f32>,
+    /// The query's block scales, as rounded.
+    scales: &'a [f32],
     /// `rows × groups`: `Σ_{c ∈ group} q̂_c` of the dequantized (scaled) query.
     group_sums: Vec<f32>,
     groups: usize,
 }
 
-impl KeyOrderQuery {
+impl<'a> KeyOrderQuery<'a> {
     /// For keys of `format` (one that `Scheme::int_query_applies` accepts) at head_dim `d`.
-    pub(super) fn new(q: &IntQuery, format: Format, d: usize) -> Self {
+    pub(super) fn new(q: &'a IntQuery, format: Format, d: usize) -> Self {
         let order = Order::of(format);
         let codes: Vec<u8> = q
             .codes
@@ -70,7 +71,7 @@ impl KeyOrderQuery {
             .collect();
         KeyOrderQuery {
             codes,
-            scales: q.scales.clone(),
+            scales: &q.scales,
             group_sums,
             groups,
         }
@@ -214,7 +215,7 @@ pub(super) fn int_score_block<K: Kernel>(
     k: K,
     s: &StreamBlock<'_>,
     n: usize,
-    q: &KeyOrderQuery,
+    q: &KeyOrderQuery<'_>,
     params: &mut Vec<f32>,
     scores: &mut [f32],
     g: usize,
@@ -283,7 +284,7 @@ fn run_loops<K: Kernel, R: IntKeys>(
     keys: &R,
     n: usize,
     d: usize,
-    q: &KeyOrderQuery,
+    q: &KeyOrderQuery<'_>,
     scores: &mut [f32],
     g: usize,
     prefetch: &mut Prefetch<'_>,
@@ -291,7 +292,7 @@ fn run_loops<K: Kernel, R: IntKeys>(
     struct Loop<'s, 'p, R, const D: usize> {
         keys: &'s R,
         n: usize,
-        q: &'s KeyOrderQuery,
+        q: &'s KeyOrderQuery<'s>,
         scores: &'s mut [f32],
         g: usize,
         prefetch: &'s mut Prefetch<'p>,
@@ -333,7 +334,7 @@ fn int_score_rows<K: Kernel, R: IntKeys, const QR: usize>(
     keys: &R,
     n: usize,
     d: usize,
-    q: &KeyOrderQuery,
+    q: &KeyOrderQuery<'_>,
     r0: usize,
     scores: &mut [f32],
     g: usize,
@@ -356,7 +357,7 @@ fn int_score_tokens<K: Kernel, R: IntKeys, const QR: usize, const TT: usize>(
     k: K,
     keys: &R,
     d: usize,
-    q: &KeyOrderQuery,
+    q: &KeyOrderQuery<'_>,
     r0: usize,
     t0: usize,
     scores: &mut [f32],
