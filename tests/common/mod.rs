@@ -281,8 +281,9 @@ pub fn rounded_query(q: &[f32], scheme: &Scheme, d: usize) -> Vec<f32> {
 
 /// `iq` on `backend` computes the attention of the rounded query exactly: the naive reference
 /// over the cache's rows and the dequantized int8 query within the kernels' 1e-5 (decode and a
-/// 3-token chunk), sinks, open pages and outlier corrections included; and the rounding is
-/// visible against the exact query. The cache is written on `backend` too.
+/// 3-token chunk), sinks, open pages, outlier corrections, zero and constant query blocks
+/// included; and the rounding is visible against the exact query. The cache is written on
+/// `backend` too.
 pub fn check_integer_query(backend: Backend) {
     const TOLERANCE: f32 = 1e-5;
     for (i, scheme) in [
@@ -303,7 +304,10 @@ pub fn check_integer_query(backend: Backend) {
             let mut rng = Rng::new(100 + i as u64);
             let mut cache = KvCache::with_backend(cfg, backend).unwrap();
             fill(&mut cache, 0, len, 11, &mut rng);
-            let q = rng.normals(q_len * cfg.q_heads * d);
+            let mut q = rng.normals(q_len * cfg.q_heads * d);
+            // A zero block (scale 0) and a constant one (every code ±127) in the first row.
+            q[..32].fill(0.0);
+            q[32..64].fill(-0.75);
             let scale = 1.0 / (d as f32).sqrt();
             let mut out = vec![0f32; q.len()];
             cache.attend(0, 0, &q, scale, &mut out).unwrap();
