@@ -41,8 +41,9 @@ HIPKV_DEV void load_levels(const hipkv_attn_params &p) {
     if (!keys && !values) return;
     const uint32_t i = threadIdx.x % HIPKV_MAX_LEVELS, stream = threadIdx.x / HIPKV_MAX_LEVELS;
     if (keys && stream == 0 && i < (1u << format_bits(KF)))
-        stream_levels[0][i] = p.k_levels != nullptr ? p.k_levels[i] : (float)i;
-    if (values && stream == 1 && i < (1u << format_bits(VF))) stream_levels[1][i] = p.v_levels[i];
+        stream_levels[0][i] = p.k_levels != nullptr ? read_global(p.k_levels + i) : (float)i;
+    if (values && stream == 1 && i < (1u << format_bits(VF)))
+        stream_levels[1][i] = read_global(p.v_levels + i);
     barrier();
 }
 
@@ -142,7 +143,7 @@ HIPKV_DEV void add_key_outliers(const hipkv_attn_params &p, const StreamView &k,
         const float delta =
             load_f16(slot + 2) - dequant1<F>(row, k.params, t, c, D, k.group, stream_codebook(w.flags, 0));
         for (int r = 0; r < kRows<D>; ++r)
-            if ((uint32_t)r < w.n) s[r] += w.q[r * D + c] * delta;
+            if ((uint32_t)r < w.n) s[r] += read_global(w.q + r * D + c) * delta;
     }
 }
 
@@ -180,13 +181,14 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                     for (int r = 0; r < kRows<D>; ++r)
                         if ((uint32_t)r < rows)
                             for (int i = 0; i < 8; ++i)
-                                dot[r] += q[r * D + c0 + 8 * j + i] * x[i];
+                                dot[r] += read_global(q + r * D + c0 + 8 * j + i) * x[i];
                 }
             }
             const uint8_t *gp = k.params + 4 * ((size_t)t * groups + g);
             const float scale = load_f16(gp), min = load_f16(gp + 2);
             for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < rows) s[r] += scale * dot[r] + min * qsum[g * w.qsum_stride + r];
+                if ((uint32_t)r < rows)
+                    s[r] += scale * dot[r] + min * read_global(qsum + g * w.qsum_stride + r);
         }
     } else if constexpr (kParams<F> == ParamsAt::BlockScale) {
         HIPKV_ROLLED
@@ -198,7 +200,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 codes8<F>(row, c, x);
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
-                        for (int i = 0; i < 8; ++i) dot[r] += q[r * D + c + i] * x[i];
+                        for (int i = 0; i < 8; ++i) dot[r] += read_global(q + r * D + c + i) * x[i];
             }
             const float scale = q8_0_scale(row, b * HIPKV_Q8_0_BLOCK);
             for (int r = 0; r < kRows<D>; ++r)
@@ -220,13 +222,13 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
                 decode_levels<F, 8>(w.flags, 0, x);
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
-                        for (int i = 0; i < 8; ++i) s[r] += qk[r * D + c + i] * x[i];
+                        for (int i = 0; i < 8; ++i) s[r] += read_global(qk + r * D + c + i) * x[i];
             }
         }
         if constexpr (format_is_chan(F)) {
             const float *bias = vector_ptr(p.partial_max + w.out);
             for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < rows) s[r] += bias[r];
+                if ((uint32_t)r < rows) s[r] += read_global(bias + r);
         }
         if constexpr (kParams<F> == ParamsAt::TokenScale) {
             const float scale = load_f16(k.params + 2 * t);
@@ -295,14 +297,15 @@ HIPKV_DEV void score_token_int(const hipkv_attn_params &p, const StreamView &k, 
                 weight = q8_0_scale(row, b * HIPKV_QUERY_BLOCK);
             for (int r = 0; r < kRows<D>; ++r) {
                 if ((uint32_t)r >= w.n) continue;
-                dot[r] += weight * qs[r * kBlocks + b] * (float)idot[r];
+                dot[r] += weight * read_global(qs + r * kBlocks + b) * (float)idot[r];
             }
         }
         if constexpr (format_is_tok(F)) {
             const uint8_t *gp = k.params + 4 * ((size_t)t * (kBlocks / per_group) + g);
             const float scale = load_f16(gp), min = load_f16(gp + 2);
             for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < w.n) s[r] += scale * dot[r] + min * w.qsum[g * w.qsum_stride + r];
+                if ((uint32_t)r < w.n)
+                    s[r] += scale * dot[r] + min * read_global(w.qsum + g * w.qsum_stride + r);
         } else {
             for (int r = 0; r < kRows<D>; ++r) s[r] += dot[r];
         }
@@ -327,8 +330,8 @@ HIPKV_DEV void score_block_token(const hipkv_attn_params &p, const StreamView &k
 // Rotates the pair (x, y) of pair index `i` by the angle of position `pos`.
 HIPKV_DEV void rotate(const float *cos_sin, uint32_t pos, uint32_t pairs, uint32_t i, float &x,
                       float &y) {
-    const float c = cos_sin[2 * ((size_t)pos * pairs + i)];
-    const float s = cos_sin[2 * ((size_t)pos * pairs + i) + 1];
+    const float c = read_global(cos_sin + 2 * ((size_t)pos * pairs + i));
+    const float s = read_global(cos_sin + 2 * ((size_t)pos * pairs + i) + 1);
     const float rx = x * c - y * s;
     y = x * s + y * c;
     x = rx;
@@ -372,7 +375,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             for (int i = 0; i < 8; i += 2) rotate(p.rope_cos_sin, pos, pairs, (c + i) / 2, x[i], x[i + 1]);
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
-                    for (int i = 0; i < 8; ++i) s[r] += q[r * D + c + i] * x[i];
+                    for (int i = 0; i < 8; ++i) s[r] += read_global(q + r * D + c + i) * x[i];
         }
     } else {
         HIPKV_ROLLED
@@ -384,7 +387,8 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     for (int i = 0; i < 8; ++i)
-                        s[r] += q[r * D + c + i] * x[i] + q[r * D + c + pairs + i] * y[i];
+                        s[r] += read_global(q + r * D + c + i) * x[i] +
+                                read_global(q + r * D + c + pairs + i) * y[i];
         }
     }
     if (k.cap != 0) {
@@ -403,7 +407,8 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             float dx = first ? delta : 0.0f, dy = first ? 0.0f : delta;
             rotate(p.rope_cos_sin, pos, pairs, pair, dx, dy);
             for (int r = 0; r < kRows<D>; ++r)
-                if ((uint32_t)r < rows) s[r] += q[r * D + xc] * dx + q[r * D + yc] * dy;
+                if ((uint32_t)r < rows)
+                    s[r] += read_global(q + r * D + xc) * dx + read_global(q + r * D + yc) * dy;
         }
     }
 }
@@ -578,8 +583,9 @@ HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
         const float scale = load_f16(params + 4 * c), min = load_f16(params + 4 * c + 2);
         for (int r = 0; r < kRows<D>; ++r) {
             if ((uint32_t)r >= w.n) continue;
-            fold[r * D + c] = w.q[r * D + c] * scale;
-            bias[r] += w.q[r * D + c] * min;
+            const float q = read_global(w.q + r * D + c);
+            fold[r * D + c] = q * scale;
+            bias[r] += q * min;
         }
     }
     for (int r = 0; r < kRows<D>; ++r) {
@@ -604,8 +610,9 @@ struct Sequence {
 HIPKV_DEV bool check_sequence(const hipkv_attn_params &p, uint32_t seq, bool report,
                               Sequence *out) {
     const hipkv_paged_geometry &g = p.g;
-    const int64_t start = p.query_start_loc[seq], end = p.query_start_loc[seq + 1];
-    const int64_t len = p.seq_lens[seq], slot = p.seq_slots[seq];
+    const int64_t start = read_global(p.query_start_loc + seq);
+    const int64_t end = read_global(p.query_start_loc + seq + 1);
+    const int64_t len = read_global(p.seq_lens + seq), slot = read_global(p.seq_slots + seq);
     // The longest sequence the call may hold: its promise, its block table, the layout.
     int64_t longest = (int64_t)p.max_blocks_per_seq * g.block_tokens;
     if ((int64_t)p.max_seq_len < longest) longest = p.max_seq_len;
@@ -726,13 +733,13 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
     // below holds no check (scalar registers are the kernel's scarcest resource there).
     bool lane_bad = false;
     for (uint32_t b = begin + lane_id(); b < end; b += HIPKV_WAVE)
-        lane_bad |= (uint32_t)sq.blocks[b] >= g.num_blocks;  // negative ids too
+        lane_bad |= (uint32_t)read_global(sq.blocks + b) >= g.num_blocks;  // negative ids too
     const bool bad = wave_max(lane_bad ? 1.0f : 0.0f) > 0.0f;
     if (bad && lane_id() == 0) {
         uint32_t b = begin;
-        while ((uint32_t)sq.blocks[b] < g.num_blocks) ++b;
-        report_bad_index(p.error, HIPKV_BAD_BLOCK, HIPKV_CHECK_ATTEND, seq, sq.blocks[b],
-                         g.num_blocks);
+        while ((uint32_t)read_global(sq.blocks + b) < g.num_blocks) ++b;
+        report_bad_index(p.error, HIPKV_BAD_BLOCK, HIPKV_CHECK_ATTEND, seq,
+                         read_global(sq.blocks + b), g.num_blocks);
     }
     // The slot state's address in vector registers from here on: the block loop reads it only
     // for the residual and value windows, and has no scalar registers to spare.
@@ -751,7 +758,8 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         const uint32_t t_end = sq.len - pos0 < bt ? sq.len - pos0 : bt;
         const uint32_t t_begin = g.sinks > pos0 ? (g.sinks - pos0 < bt ? g.sinks - pos0 : bt) : 0;
         if (t_begin >= t_end) continue;
-        const uint8_t *block = head_blocks + (size_t)(uint32_t)sq.blocks[b] * g.block_bytes;
+        const uint8_t *block =
+            head_blocks + (size_t)(uint32_t)read_global(sq.blocks + b) * g.block_bytes;
         // The sequence's last block is open when it is not full: per-channel streams keep its
         // rows in the residual window.
         const bool open = t_end < bt;

@@ -2,14 +2,18 @@
 // the launcher the Rust `emu` backend calls (`hipkv_emu_launch`). See emu.h for the model.
 #include "emu.h"
 
+#include <algorithm>
 #include <atomic>
+#include <bitset>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__has_include)
@@ -106,6 +110,8 @@ struct Fiber {
     // Where the work-item waits: the barrier's call site, to tell apart different barriers.
     const void *site = nullptr;
     float exchange = 0.0f;
+    // Lane exchanges and barriers passed: the lanes of a wave pass the same ones.
+    uint32_t epoch = 0;
     char *stack = nullptr;
     unsigned valgrind_id = 0;
 };
@@ -120,6 +126,99 @@ struct Scheduler {
 };
 
 thread_local Scheduler *sched = nullptr;
+
+constexpr uint64_t kLineBytes = 128;
+
+// One wave-level load instruction of the workgroup running: its lanes' loads.
+struct WaveLoadKey {
+    uint32_t wave, epoch, occurrence;
+    const void *site;
+    bool operator==(const WaveLoadKey &o) const {
+        return wave == o.wave && epoch == o.epoch && occurrence == o.occurrence && site == o.site;
+    }
+};
+struct WaveLoadHash {
+    size_t operator()(const WaveLoadKey &k) const {
+        uint64_t h = reinterpret_cast<uintptr_t>(k.site);
+        h = h * 0x9e3779b97f4a7c15ull ^ ((uint64_t)k.wave << 40 | (uint64_t)k.epoch << 20 | k.occurrence);
+        return (size_t)(h * 0xbf58476d1ce4e5b9ull >> 7);
+    }
+};
+struct WaveLoad {
+    uint32_t region = 0;
+    std::vector<uint64_t> lines;
+};
+
+// A region's totals on one OS thread: the counts, and the bytes touched per line.
+struct RegionTrace {
+    hipkv_emu_load_counts counts{};
+    std::unordered_map<uint64_t, std::bitset<kLineBytes>> touched;
+};
+
+}  // namespace
+
+// The trace of one OS thread's workgroups (see emu.h).
+struct LoadTracer {
+    std::vector<uint64_t> regions;  // begin, end pairs
+    std::vector<RegionTrace> totals;  // per region, then everything else
+    std::unordered_map<WaveLoadKey, WaveLoad, WaveLoadHash> loads;  // the workgroup's
+    // Per work-item: the epoch its occurrence counts are of, and the counts per site.
+    std::vector<uint32_t> counted_epoch;
+    std::vector<std::unordered_map<const void *, uint32_t>> occurrences;
+
+    explicit LoadTracer(const hipkv_emu_trace &t)
+        : regions(t.regions, t.regions + 2 * t.num_regions), totals(t.num_regions + 1) {}
+
+    uint32_t region_of(uint64_t a) const {
+        for (size_t r = 0; r * 2 < regions.size(); ++r)
+            if (a >= regions[2 * r] && a < regions[2 * r + 1]) return (uint32_t)r;
+        return (uint32_t)(regions.size() / 2);
+    }
+
+    void record(uint32_t item, uint32_t epoch, const void *site, uint64_t a, uint32_t bytes) {
+        if (item >= occurrences.size()) {
+            occurrences.resize(item + 1);
+            counted_epoch.resize(item + 1, ~0u);
+        }
+        if (counted_epoch[item] != epoch) {
+            occurrences[item].clear();
+            counted_epoch[item] = epoch;
+        }
+        const uint32_t k = occurrences[item][site]++;
+        WaveLoad &w = loads[WaveLoadKey{item / kWave, epoch, k, site}];
+        if (w.lines.empty()) w.region = region_of(a);
+        RegionTrace &t = totals[w.region];
+        t.counts.lane_loads += 1;
+        t.counts.bytes += bytes;
+        for (uint64_t b = a; b < a + bytes; ++b) {
+            if (b == a || b % kLineBytes == 0) w.lines.push_back(b / kLineBytes);
+            t.touched[b / kLineBytes].set(b % kLineBytes);
+        }
+    }
+
+    // Ends a workgroup: its wave-level loads into the totals.
+    void end_workgroup() {
+        for (auto &entry : loads) {
+            std::vector<uint64_t> &lines = entry.second.lines;
+            std::sort(lines.begin(), lines.end());
+            hipkv_emu_load_counts &c = totals[entry.second.region].counts;
+            c.wave_loads += 1;
+            c.line_reads += (uint64_t)(std::unique(lines.begin(), lines.end()) - lines.begin());
+        }
+        loads.clear();
+        counted_epoch.assign(counted_epoch.size(), ~0u);
+    }
+};
+
+thread_local LoadTracer *load_tracer = nullptr;
+
+void record_load(const void *p, uint32_t bytes) {
+    Fiber *f = sched->running;
+    load_tracer->record(static_cast<uint32_t>(f - sched->fibers.data()), f->epoch,
+                        __builtin_return_address(0), reinterpret_cast<uintptr_t>(p), bytes);
+}
+
+namespace {
 
 void yield_to_scheduler() {
     Fiber *f = sched->running;
@@ -264,6 +363,7 @@ void barrier() {
     Fiber *f = sched->running;
     f->state = State::AtBarrier;
     f->site = __builtin_return_address(0);
+    f->epoch += 1;
     yield_to_scheduler();
 }
 
@@ -272,6 +372,7 @@ float shfl_xor(float x, int mask) {
     const uint32_t id = static_cast<uint32_t>(f - sched->fibers.data());
     const uint32_t partner = (id & ~(kWave - 1)) | ((id & (kWave - 1)) ^ (uint32_t)mask);
     f->exchange = x;
+    f->epoch += 1;
     f->state = State::AtLaneExchange;
     yield_to_scheduler();  // every lane has published its value
     const float y = sched->fibers[partner].exchange;
@@ -289,10 +390,12 @@ Registrar::Registrar(const char *name, Entry entry, uint32_t params_size) {
 using namespace hipkv_emu;
 
 // Launches kernel `name` over `grid` workgroups of `block` work-items, `threads` workgroups at a
-// time on OS threads, and returns when all are done: 0, or -1 with the reason in `err`.
+// time on OS threads, and returns when all are done: 0, or -1 with the reason in `err`. With a
+// `trace` (else null), counts the launch's global loads into it (emu.h).
 extern "C" int hipkv_emu_launch(const char *name, const void *params, uint32_t params_size,
                                 const uint32_t grid[3], const uint32_t block[3],
-                                uint32_t threads, char *err, size_t err_len) {
+                                uint32_t threads, const hipkv_emu_trace *trace, char *err,
+                                size_t err_len) {
     auto it = registry().find(name);
     if (it == registry().end()) {
         copy_message(std::string("no kernel named ") + name + " in the emulator", err, err_len);
@@ -317,11 +420,16 @@ extern "C" int hipkv_emu_launch(const char *name, const void *params, uint32_t p
     std::mutex error_lock;
     std::string first_error;
     const Entry entry = it->second.entry;
+    // The threads' traces, merged as each thread finishes.
+    std::vector<RegionTrace> traced(trace != nullptr ? trace->num_regions + 1 : 0);
     auto worker = [&]() {
         Scheduler s;
         s.entry = entry;
         s.params = params;
         sched = &s;
+        std::unique_ptr<LoadTracer> tracer;
+        if (trace != nullptr) tracer = std::make_unique<LoadTracer>(*trace);
+        load_tracer = tracer.get();
         std::vector<char *> stacks;
         for (uint64_t g; !failed.load() && (g = next.fetch_add(1)) < groups;) {
             Workgroup group;
@@ -330,6 +438,7 @@ extern "C" int hipkv_emu_launch(const char *name, const void *params, uint32_t p
             group.block_idx = {(uint32_t)(g % grid[0]), (uint32_t)((g / grid[0]) % grid[1]),
                                (uint32_t)(g / ((uint64_t)grid[0] * grid[1]))};
             std::string e = run_workgroup(s, group, stacks);
+            if (tracer != nullptr) tracer->end_workgroup();
             if (!e.empty()) {
                 std::lock_guard<std::mutex> lock(error_lock);
                 if (!failed.exchange(true))
@@ -340,12 +449,31 @@ extern "C" int hipkv_emu_launch(const char *name, const void *params, uint32_t p
         }
         for (char *p : stacks) free(p);
         sched = nullptr;
+        load_tracer = nullptr;
+        if (tracer != nullptr) {
+            std::lock_guard<std::mutex> lock(error_lock);
+            for (size_t r = 0; r < traced.size(); ++r) {
+                const hipkv_emu_load_counts &c = tracer->totals[r].counts;
+                hipkv_emu_load_counts &t = traced[r].counts;
+                t.lane_loads += c.lane_loads;
+                t.wave_loads += c.wave_loads;
+                t.bytes += c.bytes;
+                t.line_reads += c.line_reads;
+                for (const auto &line : tracer->totals[r].touched) traced[r].touched[line.first] |= line.second;
+            }
+        }
     };
     const uint32_t n = threads == 0 ? 1 : threads;
     std::vector<std::thread> pool;
     for (uint32_t i = 1; i < n && i < groups; ++i) pool.emplace_back(worker);
     worker();
     for (std::thread &t : pool) t.join();
+    for (size_t r = 0; r < traced.size(); ++r) {
+        hipkv_emu_load_counts c = traced[r].counts;
+        c.lines = traced[r].touched.size();
+        for (const auto &line : traced[r].touched) c.unique_bytes += line.second.count();
+        trace->counts[r] = c;
+    }
     if (failed.load()) {
         copy_message(first_error, err, err_len);
         return -1;

@@ -38,6 +38,20 @@ void barrier();
 // Lockstep exchange within the wave: returns `x` of lane `lane ^ mask`.
 float shfl_xor(float x, int mask);
 
+// The memory trace (a launch given a `hipkv_emu_trace`): every global load the kernels make
+// through the load helpers of hipkv_device.h is recorded with its address and width. Loads are
+// grouped into the wave-level instructions a GPU would issue by wave, by the lane-exchange
+// epoch (lanes meet at every exchange and barrier, so their epochs agree), by call site (the
+// helpers are inlined, so a site is an instruction address of the emulator's code) and by
+// occurrence within the epoch: exact for code the lanes run alike, approximate in loops whose
+// trip counts differ between lanes (outlier corrections).
+struct LoadTracer;
+extern thread_local LoadTracer *load_tracer;
+__attribute__((noinline)) void record_load(const void *p, uint32_t bytes);
+inline __attribute__((always_inline)) void note_load(const void *p, uint32_t bytes) {
+    if (load_tracer != nullptr) record_load(p, bytes);
+}
+
 // A kernel as the launcher sees it: the entry point takes the params struct by pointer.
 typedef void (*Entry)(const void *params);
 struct Registrar {
@@ -45,6 +59,26 @@ struct Registrar {
 };
 
 }  // namespace hipkv_emu
+
+extern "C" {
+// What a traced launch loaded from one region of memory (or from everywhere else).
+typedef struct hipkv_emu_load_counts {
+    uint64_t lane_loads;    // loads by single work-items
+    uint64_t wave_loads;    // wave-level load instructions (the lanes' loads grouped)
+    uint64_t bytes;         // bytes requested, summed over work-items
+    uint64_t line_reads;    // distinct 128-byte lines per wave-level load, summed
+    uint64_t lines;         // distinct 128-byte lines over the launch
+    uint64_t unique_bytes;  // distinct bytes over the launch
+} hipkv_emu_load_counts;
+
+// A launch's trace request: regions [begin, end) as `2 · num_regions` addresses, and where to
+// write the counts, one per region and a last one for every other address.
+typedef struct hipkv_emu_trace {
+    const uint64_t *regions;
+    uint32_t num_regions;
+    hipkv_emu_load_counts *counts;
+} hipkv_emu_trace;
+}
 
 #define threadIdx (hipkv_emu::current_item->thread_idx)
 #define blockIdx (hipkv_emu::current_group->block_idx)

@@ -46,7 +46,9 @@ namespace hipkv {
 // where a division by a run-time value costs dozens (and registers).
 HIPKV_HD uint32_t log2_pow2(uint32_t x) { return (uint32_t)__builtin_ctz(x); }
 
-HIPKV_HD uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+HIPKV_LOAD_HD uint16_t load_u16(const uint8_t *p) {
+    return (uint16_t)(read_global(p) | (read_global(p + 1) << 8));
+}
 HIPKV_HD float load_f16(const uint8_t *p) { return half_to_float(load_u16(p)); }
 
 // fp8 e4m3 (OCP: bias 7, no infinities, NaN S.1111.111, largest ±448), as
@@ -262,12 +264,13 @@ HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
         for (int i = 0; i < 8; ++i) out[i] = Fmt::value(load_u16(row + 2 * (c + i)));
     } else if constexpr (bits == 8) {
         const uint8_t *p = kParams<F> == ParamsAt::BlockScale ? row + q8_0_code_offset(c) : row + c;
-        for (int i = 0; i < 8; ++i) out[i] = Fmt::value(p[i]);
+        for (int i = 0; i < 8; ++i) out[i] = Fmt::value(read_global(p + i));
     } else {
         // Eight codes in 4 bytes (4-bit) or 2 (2-bit).
         const uint8_t *p = row + c * bits / 8;
-        uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-        if constexpr (bits == 4) w |= ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+        uint32_t w = (uint32_t)read_global(p) | ((uint32_t)read_global(p + 1) << 8);
+        if constexpr (bits == 4)
+            w |= ((uint32_t)read_global(p + 2) << 16) | ((uint32_t)read_global(p + 3) << 24);
         for (int i = 0; i < 8; ++i) out[i] = Fmt::value((w >> (bits * i)) & ((1u << bits) - 1));
     }
 }
@@ -358,10 +361,11 @@ HIPKV_HD float code1(const uint8_t *row, uint32_t c) {
     if constexpr (bits == 16) {
         return Format<F>::value(load_u16(row + 2 * c));
     } else if constexpr (bits == 8) {
-        return Format<F>::value(row[kParams<F> == ParamsAt::BlockScale ? q8_0_code_offset(c) : c]);
+        const uint32_t at = kParams<F> == ParamsAt::BlockScale ? q8_0_code_offset(c) : c;
+        return Format<F>::value(read_global(row + at));
     } else {
         constexpr uint32_t per = 8 / bits;
-        return Format<F>::value((row[c / per] >> ((c % per) * bits)) & ((1u << bits) - 1));
+        return Format<F>::value((read_global(row + c / per) >> ((c % per) * bits)) & ((1u << bits) - 1));
     }
 }
 

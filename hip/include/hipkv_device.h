@@ -45,6 +45,19 @@
 #define HIPKV_HD inline
 #endif
 
+// The load helpers (`load16`, `read_global`, …): inlined at every call site in the emulator
+// too, since a call site is what its memory trace groups the lanes' loads by; and the trace's
+// record of one load (emu.h), which compiles to nothing on a GPU.
+#if defined(HIPKV_EMU)
+#define HIPKV_LOAD_HD inline __attribute__((always_inline))
+#define HIPKV_LOAD_DEV inline __attribute__((always_inline))
+#define HIPKV_TRACE_LOAD(p, bytes) hipkv_emu::note_load((p), (bytes))
+#else
+#define HIPKV_LOAD_HD HIPKV_HD
+#define HIPKV_LOAD_DEV HIPKV_DEV
+#define HIPKV_TRACE_LOAD(p, bytes) ((void)0)
+#endif
+
 // Keeps a loop rolled: the row loops inside are unrolled (their state lives in registers), and
 // unrolling the channel and token loops around them too would multiply code size and compile
 // time for nothing on a memory-bound kernel.
@@ -131,6 +144,14 @@ HIPKV_HD int32_t dot4_i8(uint32_t a, uint32_t b, int32_t acc) {
 struct alignas(16) Bytes16 {
     uint32_t w[4];
 };
+
+// `*p` from global memory, in whatever width the compiler gives it (query rows, parameters,
+// single codes): the same code as `*p` on a GPU, and one load in the emulator's trace.
+template <class T>
+HIPKV_LOAD_HD T read_global(const T *p) {
+    HIPKV_TRACE_LOAD(p, sizeof(T));
+    return *p;
+}
 
 // Float to IEEE binary16 bits, rounded to nearest with ties to even (as the `half` crate and
 // the GPU's conversion round): overflow gives infinity, NaN stays a (quiet) NaN.
@@ -316,7 +337,8 @@ HIPKV_DEV void atomic_add(uint64_t *p, uint64_t x) {
 // 16 bytes of global memory, 16-aligned, in one load: `global_load_b128` on gfx1201 (the
 // address space is stated: a generic pointer would give a flat load, which also waits on the
 // LDS counter). The emulator copies, since host buffers promise no alignment.
-HIPKV_DEV Bytes16 load16(const uint8_t *p) {
+HIPKV_LOAD_DEV Bytes16 load16(const uint8_t *p) {
+    HIPKV_TRACE_LOAD(p, 16);
 #if defined(__HIP_DEVICE_COMPILE__)
     typedef uint32_t U32x4 __attribute__((ext_vector_type(4)));
     const U32x4 v = *(const __attribute__((address_space(1))) U32x4 *)p;
@@ -331,7 +353,8 @@ HIPKV_DEV Bytes16 load16(const uint8_t *p) {
 }
 
 // 4 bytes of global memory, 4-aligned, in one load (`global_load_b32`).
-HIPKV_DEV uint32_t load4(const uint8_t *p) {
+HIPKV_LOAD_DEV uint32_t load4(const uint8_t *p) {
+    HIPKV_TRACE_LOAD(p, 4);
 #if defined(__HIP_DEVICE_COMPILE__)
     return *(const __attribute__((address_space(1))) uint32_t *)p;
 #else
@@ -342,7 +365,8 @@ HIPKV_DEV uint32_t load4(const uint8_t *p) {
 }
 
 // 2 bytes of global memory, 2-aligned, in one load (`global_load_u16`).
-HIPKV_DEV uint32_t load2(const uint8_t *p) {
+HIPKV_LOAD_DEV uint32_t load2(const uint8_t *p) {
+    HIPKV_TRACE_LOAD(p, 2);
 #if defined(__HIP_DEVICE_COMPILE__)
     return *(const __attribute__((address_space(1))) uint16_t *)p;
 #else
@@ -354,7 +378,8 @@ HIPKV_DEV uint32_t load2(const uint8_t *p) {
 
 // 8 bytes of global memory, 8-aligned, in one load (`global_load_b64`), as the first half of a
 // Bytes16 (the second half zero).
-HIPKV_DEV Bytes16 load8(const uint8_t *p) {
+HIPKV_LOAD_DEV Bytes16 load8(const uint8_t *p) {
+    HIPKV_TRACE_LOAD(p, 8);
 #if defined(__HIP_DEVICE_COMPILE__)
     typedef uint32_t U32x2 __attribute__((ext_vector_type(2)));
     const U32x2 v = *(const __attribute__((address_space(1))) U32x2 *)p;

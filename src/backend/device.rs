@@ -169,7 +169,7 @@ pub(crate) trait Launch {
     /// `params` is the kernel's params struct and every address in it lies in a live
     /// allocation of this device until the work completes, large enough for what the kernel
     /// reads and writes.
-    unsafe fn launch<P: Copy>(
+    unsafe fn launch<P: Copy + 'static>(
         &self,
         name: &str,
         params: &P,
@@ -268,7 +268,7 @@ pub(crate) unsafe fn launch_copy_blocks<L: Launch>(
 pub(crate) struct EmuEngine;
 
 impl Launch for EmuEngine {
-    unsafe fn launch<P: Copy>(
+    unsafe fn launch<P: Copy + 'static>(
         &self,
         name: &str,
         params: &P,
@@ -358,7 +358,7 @@ impl Engine for EmuEngine {
 }
 
 impl Launch for HipGpu {
-    unsafe fn launch<P: Copy>(
+    unsafe fn launch<P: Copy + 'static>(
         &self,
         name: &str,
         params: &P,

@@ -4,9 +4,50 @@
 //! allocations and this launcher, so the differential tests run the kernels' own code over the
 //! device path.
 
+use std::any::Any;
+use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int, c_void};
 
+use crate::abi::{hipkv_attn_params, hipkv_write_params};
 use crate::error::{Error, Result};
+
+/// What a traced launch loaded from one region of memory (`hipkv_emu_load_counts`, emu.h).
+/// A wave-level load is the loads of a wave's lanes from one load instruction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadCounts {
+    /// Loads by single work-items.
+    pub lane_loads: u64,
+    /// Wave-level load instructions.
+    pub wave_loads: u64,
+    /// Bytes requested, summed over work-items.
+    pub bytes: u64,
+    /// Distinct 128-byte lines per wave-level load, summed.
+    pub line_reads: u64,
+    /// Distinct 128-byte lines over the launch.
+    pub lines: u64,
+    /// Distinct bytes over the launch.
+    pub unique_bytes: u64,
+}
+
+/// `hipkv_emu_trace` (emu.h).
+#[repr(C)]
+struct TraceRequest {
+    regions: *const u64,
+    num_regions: u32,
+    counts: *mut LoadCounts,
+}
+
+/// The loads of one traced launch, by where they read: the KV blocks of the layer (`cache`),
+/// the slot states (`state`: sinks and f16 windows), and everything else (queries, workspace,
+/// block tables and sequence metadata).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelLoads {
+    pub kernel: String,
+    pub cache: LoadCounts,
+    pub state: LoadCounts,
+    pub other: LoadCounts,
+}
 
 unsafe extern "C" {
     fn hipkv_emu_launch(
@@ -16,9 +57,50 @@ unsafe extern "C" {
         grid: *const u32,
         block: *const u32,
         threads: u32,
+        trace: *const TraceRequest,
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+}
+
+thread_local! {
+    /// The launches traced so far on this thread, while [`trace_loads`] runs.
+    static TRACED: RefCell<Option<Vec<KernelLoads>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f`, tracing the global loads of every emulated kernel it launches on this thread, and
+/// returns its result with the launches' loads, in launch order.
+pub fn trace_loads<R>(f: impl FnOnce() -> R) -> (R, Vec<KernelLoads>) {
+    let outer = TRACED.with(|t| t.replace(Some(Vec::new())));
+    let result = f();
+    let traced = TRACED.with(|t| t.replace(outer)).unwrap_or_default();
+    (result, traced)
+}
+
+/// The cache and slot-state ranges a launch's params point at, as `[begin, end)` address pairs
+/// (empty for kernels that read neither).
+fn regions(params: &dyn Any) -> [u64; 4] {
+    let (cache, cache_bytes, state, state_bytes) =
+        if let Some(p) = params.downcast_ref::<hipkv_attn_params>() {
+            let g = &p.g;
+            (
+                p.cache as u64,
+                g.num_blocks as u64 * g.block_bytes,
+                p.state as u64,
+                g.max_seqs as u64 * p.slot_state_bytes,
+            )
+        } else if let Some(p) = params.downcast_ref::<hipkv_write_params>() {
+            let g = &p.g;
+            (
+                p.cache as u64,
+                g.num_blocks as u64 * g.block_bytes,
+                p.state as u64,
+                g.max_seqs as u64 * p.slot_state_bytes,
+            )
+        } else {
+            (0, 0, 0, 0)
+        };
+    [cache, cache + cache_bytes, state, state + state_bytes]
 }
 
 include!(concat!(env!("OUT_DIR"), "/emu_units.rs"));
@@ -33,7 +115,8 @@ fn keep_units() {
 }
 
 /// Launches `name` with `params` over `grid` workgroups of `block` work-items, on every core.
-pub(crate) fn launch<P: Copy>(
+/// When [`trace_loads`] is running on this thread, counts the launch's loads into it.
+pub(crate) fn launch<P: Copy + 'static>(
     name: &str,
     params: &P,
     grid: [u32; 3],
@@ -43,11 +126,21 @@ pub(crate) fn launch<P: Copy>(
     let c_name = CString::new(name).expect("kernel names have no NUL");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     let mut err = vec![0 as c_char; 1024];
+    let tracing = TRACED.with(|t| t.borrow().is_some());
+    let ranges = regions(params);
+    let mut counts = [LoadCounts::default(); 3];
+    let request = TraceRequest {
+        regions: ranges.as_ptr(),
+        num_regions: 2,
+        counts: counts.as_mut_ptr(),
+    };
+    let trace: *const TraceRequest = if tracing { &request } else { std::ptr::null() };
     // SAFETY: `params` is a `#[repr(C)]` ABI struct of `size_of::<P>()` bytes whose pointers
     // reference buffers alive for this call; the launcher checks the size against the kernel's
     // own params type, runs every workgroup before it returns, and writes at most `err.len()`
-    // bytes, NUL-terminated, into `err`. No C++ exception crosses the boundary (built with
-    // -fno-exceptions; errors are return codes).
+    // bytes, NUL-terminated, into `err`. A non-null `trace` points at `request`, whose two
+    // regions and three counts live until the call returns. No C++ exception crosses the
+    // boundary (built with -fno-exceptions; errors are return codes).
     let rc = unsafe {
         hipkv_emu_launch(
             c_name.as_ptr(),
@@ -56,11 +149,22 @@ pub(crate) fn launch<P: Copy>(
             grid.as_ptr(),
             block.as_ptr(),
             threads,
+            trace,
             err.as_mut_ptr(),
             err.len(),
         )
     };
     if rc == 0 {
+        if tracing {
+            let [cache, state, other] = counts;
+            let loads = KernelLoads {
+                kernel: name.to_string(),
+                cache,
+                state,
+                other,
+            };
+            TRACED.with(|t| t.borrow_mut().as_mut().map(|v| v.push(loads)));
+        }
         return Ok(());
     }
     let bytes: Vec<u8> = err
@@ -85,13 +189,19 @@ mod tests {
     struct SelftestParams {
         out: *mut f32,
         mode: u32,
+        input: *const f32,
     }
 
     fn run(mode: u32, groups: u32) -> (Vec<f32>, Result<()>) {
+        run_with(mode, groups, std::ptr::null())
+    }
+
+    fn run_with(mode: u32, groups: u32, input: *const f32) -> (Vec<f32>, Result<()>) {
         let mut out = vec![0f32; (groups * HIPKV_THREADS) as usize];
         let params = SelftestParams {
             out: out.as_mut_ptr(),
             mode,
+            input,
         };
         let result = launch(
             "hipkv_emu_selftest",
@@ -143,10 +253,49 @@ mod tests {
     }
 
     #[test]
+    fn the_trace_groups_lanes_into_wave_loads() {
+        // 1024 floats from a 128-byte boundary (a line), whatever the allocation's alignment.
+        let buffer = vec![1f32; 1024 + 32];
+        let skip = buffer.as_ptr().align_offset(128);
+        let input = buffer[skip..].as_ptr();
+        let groups = 3;
+        let ((out, result), launches) = trace_loads(|| run_with(5, groups, input));
+        result.unwrap();
+        for (i, x) in out.iter().enumerate() {
+            assert_eq!(*x, 2.0 + (i % 32 % 4) as f32, "work-item {i}");
+        }
+        assert_eq!(launches.len(), 1);
+        let loads = &launches[0];
+        assert_eq!(loads.kernel, "hipkv_emu_selftest");
+        // The selftest's params name no cache or state: every load is elsewhere.
+        assert_eq!(loads.cache, LoadCounts::default());
+        assert_eq!(loads.state, LoadCounts::default());
+        let waves = (groups * HIPKV_THREADS / 32) as u64;
+        let lane_loads = 32 + 32 + (24 + 16 + 8);
+        assert_eq!(
+            loads.other,
+            LoadCounts {
+                lane_loads: waves * lane_loads,
+                wave_loads: waves * (2 + 3),
+                bytes: waves * lane_loads * 4,
+                // One line, 32 lines, then one line per loop iteration.
+                line_reads: waves * (1 + 32 + 3),
+                lines: 32,
+                // Line 0 whole, and the first float of each of the 31 others.
+                unique_bytes: 128 + 31 * 4,
+            }
+        );
+        // Launches outside `trace_loads` are not traced.
+        assert!(trace_loads(|| ()).1.is_empty());
+        run(0, 1).1.unwrap();
+    }
+
+    #[test]
     fn launch_errors_name_the_problem() {
         let params = SelftestParams {
             out: std::ptr::null_mut(),
             mode: 0,
+            input: std::ptr::null(),
         };
         let missing = launch(
             "hipkv_no_such_kernel",

@@ -11,6 +11,7 @@ mod split;
 pub use choice::{BACKEND_ENV, HipStatus};
 pub use device::DeviceMemory;
 pub(crate) use device::stream_abi;
+pub use emu::{KernelLoads, LoadCounts, trace_loads};
 pub use split::{GFX1201_COMPUTE_UNITS, SplitPlan};
 
 use crate::abi::{hipkv_attn_params, hipkv_copy_params, hipkv_write_params};
