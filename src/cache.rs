@@ -219,10 +219,12 @@ impl KvCache {
         self.outliers_dropped
     }
 
-    /// Bytes one attention step over `seq` in `layer` reads: the sink rows, every block it
-    /// touches (whole when full, its rows' share when open), and in their place the f16 rows a
-    /// scheme reads instead: the open block's of a per-channel stream (residual window), the
-    /// values of the blocks in the value window.
+    /// Bytes one attention step over `seq` in `layer` reads: the f16 sink rows, and of every
+    /// block it touches the rows past the sinks (their codes, their parameters, the page's
+    /// per-channel parameters, their outlier counts and slots, the slots at capacity), or in
+    /// their place the f16 rows a scheme reads instead: the open block's of a per-channel stream
+    /// (residual window), the values of the blocks in the value window. Without outliers, the
+    /// attention kernels read exactly these bytes (tests/cost.rs traces them).
     pub fn bytes_read(&self, layer: usize, seq: usize) -> Result<usize> {
         let len = self.len(layer, seq)?;
         let s = &self.config.scheme;
@@ -242,8 +244,20 @@ impl KvCache {
                     || tokens < g && l.format.is_grouped_by_tokens()
                 {
                     rows * f16_row
+                } else if rows == 0 {
+                    0
                 } else {
-                    (l.end - l.rows) * tokens / g
+                    let params = if l.format.is_grouped_by_tokens() {
+                        l.format.params_bytes(g, self.config.head_dim)
+                    } else {
+                        l.format.params_bytes(rows, self.config.head_dim)
+                    };
+                    let outliers = if l.outlier_slots > 0 {
+                        (2 + 4 * l.outlier_slots) * rows
+                    } else {
+                        0
+                    };
+                    rows * l.row_bytes + params + outliers
                 };
             }
         }
