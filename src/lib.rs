@@ -9,6 +9,7 @@ pub mod cache;
 pub mod calibration;
 pub mod capi;
 pub mod codeobj;
+pub mod cost;
 pub mod error;
 #[cfg(feature = "eval")]
 pub mod eval;

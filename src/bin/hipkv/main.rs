@@ -590,8 +590,38 @@ fn info_kernels() -> Result<(), CliError> {
     if objects.is_empty() {
         let why = hipkv::kernels::gpu_build_skipped().unwrap_or("no code objects were embedded");
         println!("no GPU kernels in this build: {why}");
-        return Ok(());
+    } else {
+        gpu_kernels(objects)?;
     }
+    memory_model()
+}
+
+/// The memory half of the GPU cost model, from the emulator's load trace (any build).
+fn memory_model() -> Result<(), CliError> {
+    let shape = hipkv::cost::report_shape(0);
+    println!(
+        "\nmemory: the global loads of one decode step's attention kernel, traced in the SIMT \
+         emulator ({} tokens, {} KV heads, GQA {})\n",
+        shape.context, shape.kv_heads, shape.gqa
+    );
+    print!(
+        "{}",
+        hipkv::cost::memory_table(&hipkv::cost::kernel_reports()?)
+    );
+    println!(
+        "\nKV B/tok: the KV bytes the step must read per token and KV head (blocks and f16 \
+         windows); requested: bytes the lanes load from them, per KV byte (a broadcast counts \
+         each lane); lines/load: distinct 128-byte lines per wave-level load of KV data; line \
+         traffic: those lines' bytes per KV byte (no reuse between loads); fetch: distinct KV \
+         lines' bytes per KV byte (each line fetched once); other/KV B: bytes the lanes load \
+         from the queries, workspace and metadata per KV byte (element by element as the source \
+         reads them). docs/performance.md states the model's assumptions."
+    );
+    Ok(())
+}
+
+/// The embedded code objects' resources and instruction census.
+fn gpu_kernels(objects: &[hipkv::kernels::CodeObject]) -> Result<(), CliError> {
     let kernels = hipkv::codeobj::embedded_kernels()?;
     let sources: Vec<&str> = objects.iter().map(|o| o.source).collect();
     println!(

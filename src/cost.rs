@@ -1,0 +1,183 @@
+//! The memory half of the GPU cost model, measured from the kernels themselves: a decode step
+//! run by the SIMT emulator with its load trace on (`hip/emu/emu.h`), which records every global
+//! load of the attention kernel with each lane's address and width and groups the lanes' loads
+//! into the wave-level instructions a GPU issues. From the counts, per kernel: how often each KV
+//! byte is requested, how many 128-byte lines a wave-level load touches, and the bytes the step
+//! fetches against the KV bytes it must read. `docs/performance.md` states the model's
+//! assumptions and shows the table (`hipkv info --kernels`).
+
+use crate::backend::{Backend, trace_loads};
+use crate::cache::{CacheConfig, KvCache, Query};
+use crate::error::{Error, Result};
+use crate::scheme::Scheme;
+use crate::synth::Rng;
+
+pub use crate::backend::{KernelLoads, LoadCounts};
+
+/// Bytes of a cache line of gfx1201's caches (and the unit of a DRAM fetch here).
+pub const LINE_BYTES: u64 = 128;
+
+/// The decode step a memory report runs: one sequence of `context` tokens, one query token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    pub head_dim: usize,
+    pub kv_heads: usize,
+    pub gqa: usize,
+    pub context: usize,
+}
+
+/// What one decode step's attention kernel loads, from the trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryReport {
+    pub kernel: String,
+    pub shape: StepShape,
+    /// The KV bytes the step must read ([`KvCache::bytes_read`]).
+    pub kv_bytes: u64,
+    /// Loads from the KV blocks and the slot states (sinks, f16 windows), summed.
+    pub kv: LoadCounts,
+    /// Loads from everywhere else: the prepared queries, the workspace, block tables and
+    /// sequence metadata.
+    pub other: LoadCounts,
+}
+
+impl MemoryReport {
+    /// Times each needed KV byte is requested by some lane (1: once per GQA group).
+    pub fn kv_reads(&self) -> f64 {
+        self.kv.bytes as f64 / self.kv_bytes as f64
+    }
+
+    /// Distinct 128-byte lines one wave-level load of KV data touches, on average (1 to 2 when
+    /// the lanes read consecutive bytes; 32 when each lane reads its own line).
+    pub fn lines_per_load(&self) -> f64 {
+        self.kv.line_reads as f64 / self.kv.wave_loads.max(1) as f64
+    }
+
+    /// Bytes the cache hierarchy moves to the lanes for the KV data, against the KV bytes: each
+    /// wave-level load costs every line it touches, with no reuse between loads.
+    pub fn line_traffic(&self) -> f64 {
+        (self.kv.line_reads * LINE_BYTES) as f64 / self.kv_bytes as f64
+    }
+
+    /// The step's DRAM fetch against the KV bytes it must read: every KV line touched, fetched
+    /// once (the caches keep a line between the loads of a run and between the workgroups of a
+    /// GQA group).
+    pub fn fetch(&self) -> f64 {
+        (self.kv.lines * LINE_BYTES) as f64 / self.kv_bytes as f64
+    }
+
+    /// Bytes requested from everywhere else (queries, workspace, metadata) per KV byte.
+    pub fn other_per_kv_byte(&self) -> f64 {
+        self.other.bytes as f64 / self.kv_bytes as f64
+    }
+}
+
+fn add(a: LoadCounts, b: LoadCounts) -> LoadCounts {
+    LoadCounts {
+        lane_loads: a.lane_loads + b.lane_loads,
+        wave_loads: a.wave_loads + b.wave_loads,
+        bytes: a.bytes + b.bytes,
+        line_reads: a.line_reads + b.line_reads,
+        lines: a.lines + b.lines,
+        unique_bytes: a.unique_bytes + b.unique_bytes,
+    }
+}
+
+/// Runs one decode step of `scheme` at `shape` on the emulator, its cache filled with random
+/// keys and values, and reports the attention kernel's loads.
+pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> {
+    let config = CacheConfig {
+        layers: 1,
+        sequences: 1,
+        kv_heads: shape.kv_heads,
+        q_heads: shape.kv_heads * shape.gqa,
+        head_dim: shape.head_dim,
+        capacity: shape.context,
+        scheme: *scheme,
+        rope: None,
+    };
+    let mut cache = KvCache::with_backend(config, Backend::Emu)?;
+    let mut rng = Rng::new(7);
+    let width = shape.kv_heads * shape.head_dim;
+    let k = rng.normals(shape.context * width);
+    let v = rng.normals(shape.context * width);
+    cache.append(0, 0, &k, &v)?;
+    let q = rng.normals(config.q_heads * shape.head_dim);
+    let mut out = vec![0f32; q.len()];
+    let scale = 1.0 / (shape.head_dim as f32).sqrt();
+    let mut queries = [Query {
+        seq: 0,
+        q: &q,
+        out: &mut out,
+    }];
+    let (result, launches) = trace_loads(|| cache.attend_many(0, &mut queries, scale));
+    result?;
+    let attention = launches
+        .into_iter()
+        .find(|l| {
+            l.kernel.starts_with("hipkv_attn_")
+                && l.kernel != "hipkv_attn_prep"
+                && l.kernel != "hipkv_attn_combine"
+        })
+        .ok_or_else(|| Error::Unsupported("the step launched no attention kernel".into()))?;
+    Ok(MemoryReport {
+        kernel: attention.kernel,
+        shape,
+        kv_bytes: cache.bytes_read(0, 0)? as u64,
+        kv: add(attention.cache, attention.state),
+        other: attention.other,
+    })
+}
+
+/// The shape of the reports `hipkv info --kernels` prints: a 1024-token decode step, two KV
+/// heads, GQA 8 (the largest ratio the cost model's targets cover).
+pub fn report_shape(head_dim: usize) -> StepShape {
+    StepShape {
+        head_dim,
+        kv_heads: 2,
+        gqa: 8,
+        context: 1024,
+    }
+}
+
+/// The memory report of every attention kernel (key format × value format) at head_dim 64,
+/// 128 and 256, at [`report_shape`].
+pub fn kernel_reports() -> Result<Vec<MemoryReport>> {
+    let mut reports = Vec::new();
+    for head_dim in [64, 128, 256] {
+        for k in crate::scheme::KERNEL_FORMATS {
+            for v in crate::scheme::KERNEL_FORMATS {
+                let scheme: Scheme = format!("k={k},v={v}").parse()?;
+                reports.push(memory_report(&scheme, report_shape(head_dim))?);
+            }
+        }
+    }
+    Ok(reports)
+}
+
+/// The reports as a table, one kernel per line.
+pub fn memory_table(reports: &[MemoryReport]) -> String {
+    let width = reports
+        .iter()
+        .map(|r| r.kernel.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    let mut out = format!(
+        "{:width$}  {:>9}  {:>9}  {:>10}  {:>12}  {:>8}  {:>11}\n",
+        "kernel", "KV B/tok", "requested", "lines/load", "line traffic", "fetch", "other/KV B"
+    );
+    for r in reports {
+        let per_token = r.kv_bytes as f64 / (r.shape.context * r.shape.kv_heads) as f64;
+        out += &format!(
+            "{:width$}  {:>9.1}  {:>8.2}x  {:>10.2}  {:>11.2}x  {:>7.3}x  {:>11.2}\n",
+            r.kernel,
+            per_token,
+            r.kv_reads(),
+            r.lines_per_load(),
+            r.line_traffic(),
+            r.fetch(),
+            r.other_per_kv_byte(),
+        );
+    }
+    out
+}
