@@ -65,12 +65,21 @@ impl MemoryReport {
         (self.kv.lines * LINE_BYTES) as f64 / self.kv_bytes as f64
     }
 
+    /// KiB of KV lines one wave loads between two of its lane exchanges, at most: what its
+    /// share of the caches nearest the lanes must hold for the line traffic to shrink toward the
+    /// fetch (the wave's working set).
+    pub fn wave_span_kib(&self) -> f64 {
+        (self.kv.span_lines * LINE_BYTES) as f64 / 1024.0
+    }
+
     /// Bytes requested from everywhere else (queries, workspace, metadata) per KV byte.
     pub fn other_per_kv_byte(&self) -> f64 {
         self.other.bytes as f64 / self.kv_bytes as f64
     }
 }
 
+/// The counts of two regions' loads together; the span is the sum of the two (an upper bound:
+/// their largest spans need not fall in the same epoch).
 fn add(a: LoadCounts, b: LoadCounts) -> LoadCounts {
     LoadCounts {
         lane_loads: a.lane_loads + b.lane_loads,
@@ -79,6 +88,7 @@ fn add(a: LoadCounts, b: LoadCounts) -> LoadCounts {
         line_reads: a.line_reads + b.line_reads,
         lines: a.lines + b.lines,
         unique_bytes: a.unique_bytes + b.unique_bytes,
+        span_lines: a.span_lines + b.span_lines,
     }
 }
 
@@ -163,19 +173,27 @@ pub fn memory_table(reports: &[MemoryReport]) -> String {
         .unwrap_or(6)
         .max(6);
     let mut out = format!(
-        "{:width$}  {:>9}  {:>9}  {:>10}  {:>12}  {:>8}  {:>11}\n",
-        "kernel", "KV B/tok", "requested", "lines/load", "line traffic", "fetch", "other/KV B"
+        "{:width$}  {:>9}  {:>9}  {:>10}  {:>12}  {:>8}  {:>8}  {:>11}\n",
+        "kernel",
+        "KV B/tok",
+        "requested",
+        "lines/load",
+        "line traffic",
+        "fetch",
+        "span KiB",
+        "other/KV B"
     );
     for r in reports {
         let per_token = r.kv_bytes as f64 / (r.shape.context * r.shape.kv_heads) as f64;
         out += &format!(
-            "{:width$}  {:>9.1}  {:>8.2}x  {:>10.2}  {:>11.2}x  {:>7.3}x  {:>11.2}\n",
+            "{:width$}  {:>9.1}  {:>8.2}x  {:>10.2}  {:>11.2}x  {:>7.3}x  {:>8.1}  {:>11.2}\n",
             r.kernel,
             per_token,
             r.kv_reads(),
             r.lines_per_load(),
             r.line_traffic(),
             r.fetch(),
+            r.wave_span_kib(),
             r.other_per_kv_byte(),
         );
     }

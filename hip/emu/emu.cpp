@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -198,12 +199,25 @@ struct LoadTracer {
 
     // Ends a workgroup: its wave-level loads into the totals.
     void end_workgroup() {
+        // Per region, wave and epoch: the lines loaded (for `span_lines`).
+        std::map<std::tuple<uint32_t, uint32_t, uint32_t>, std::vector<uint64_t>> spans;
         for (auto &entry : loads) {
             std::vector<uint64_t> &lines = entry.second.lines;
             std::sort(lines.begin(), lines.end());
+            lines.erase(std::unique(lines.begin(), lines.end()), lines.end());
             hipkv_emu_load_counts &c = totals[entry.second.region].counts;
             c.wave_loads += 1;
-            c.line_reads += (uint64_t)(std::unique(lines.begin(), lines.end()) - lines.begin());
+            c.line_reads += lines.size();
+            std::vector<uint64_t> &span =
+                spans[{entry.second.region, entry.first.wave, entry.first.epoch}];
+            span.insert(span.end(), lines.begin(), lines.end());
+        }
+        for (auto &entry : spans) {
+            std::vector<uint64_t> &lines = entry.second;
+            std::sort(lines.begin(), lines.end());
+            const uint64_t n = (uint64_t)(std::unique(lines.begin(), lines.end()) - lines.begin());
+            uint64_t &most = totals[std::get<0>(entry.first)].counts.span_lines;
+            most = std::max(most, n);
         }
         loads.clear();
         counted_epoch.assign(counted_epoch.size(), ~0u);
@@ -459,6 +473,7 @@ extern "C" int hipkv_emu_launch(const char *name, const void *params, uint32_t p
                 t.wave_loads += c.wave_loads;
                 t.bytes += c.bytes;
                 t.line_reads += c.line_reads;
+                t.span_lines = std::max(t.span_lines, c.span_lines);
                 for (const auto &line : tracer->totals[r].touched) traced[r].touched[line.first] |= line.second;
             }
         }

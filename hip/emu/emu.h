@@ -69,6 +69,9 @@ typedef struct hipkv_emu_load_counts {
     uint64_t line_reads;    // distinct 128-byte lines per wave-level load, summed
     uint64_t lines;         // distinct 128-byte lines over the launch
     uint64_t unique_bytes;  // distinct bytes over the launch
+    // The most distinct lines one wave loads between two of its lane exchanges or barriers:
+    // what its caches must hold for its loads to reuse lines (a wave's working set).
+    uint64_t span_lines;
 } hipkv_emu_load_counts;
 
 // A launch's trace request: regions [begin, end) as `2 · num_regions` addresses, and where to

@@ -28,6 +28,9 @@ pub struct LoadCounts {
     pub lines: u64,
     /// Distinct bytes over the launch.
     pub unique_bytes: u64,
+    /// The most distinct lines one wave loads between two of its lane exchanges or barriers:
+    /// what its caches must hold for its loads to reuse lines (a wave's working set).
+    pub span_lines: u64,
 }
 
 /// `hipkv_emu_trace` (emu.h).
@@ -283,6 +286,8 @@ mod tests {
                 lines: 32,
                 // Line 0 whole, and the first float of each of the 31 others.
                 unique_bytes: 128 + 31 * 4,
+                // Every load of a wave is in one epoch: lines 0 to 31.
+                span_lines: 32,
             }
         );
         // Launches outside `trace_loads` are not traced.

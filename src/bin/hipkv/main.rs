@@ -613,7 +613,8 @@ fn memory_model() -> Result<(), CliError> {
          windows); requested: bytes the lanes load from them, per KV byte (a broadcast counts \
          each lane); lines/load: distinct 128-byte lines per wave-level load of KV data; line \
          traffic: those lines' bytes per KV byte (no reuse between loads); fetch: distinct KV \
-         lines' bytes per KV byte (each line fetched once); other/KV B: bytes the lanes load \
+         lines' bytes per KV byte (each line fetched once); span KiB: the most KV data one \
+         wave loads between two lane exchanges (its working set); other/KV B: bytes the lanes load \
          from the queries, workspace and metadata per KV byte (element by element as the source \
          reads them). docs/performance.md states the model's assumptions."
     );
