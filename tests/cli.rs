@@ -267,13 +267,16 @@ fn bench_runs_the_device_path_on_the_emulator() {
         assert!(row["pct_of_memcpy"].is_null() && row["pct_of_peak"].is_null());
         let s: hipkv::Scheme = scheme.parse().unwrap();
         let head = s.head_layout(128);
-        // 96 tokens: 3 full pages of 32, two KV heads. kivi2 reads its 4 sink tokens and, all
-        // 96 positions being in its value window, the other 92 tokens' values f16 instead of
-        // the pages' value streams.
+        // 96 tokens: 3 full pages of 32, two KV heads. kivi2 reads its 4 sink tokens f16, of
+        // its key pages the other 92 rows (codes, outlier counts and slots) and each page's
+        // per-channel parameters, and, all 96 positions being in its value window, the other
+        // 92 tokens' values f16 instead of the pages' value streams.
+        let k = &head.k;
+        let key_row = k.row_bytes + 2 + 4 * k.outlier_slots;
         let bytes = if scheme == "q8" {
             2 * 3 * head.bytes
         } else {
-            2 * (3 * (head.k.end - head.k.rows) + 2 * 4 * 256 + 92 * 256)
+            2 * (92 * key_row + 3 * k.format.params_bytes(32, 128) + 2 * 4 * 256 + 92 * 256)
         };
         assert_eq!(row["bytes_per_step"], bytes, "{row}");
     }
