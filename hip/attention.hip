@@ -147,6 +147,18 @@ HIPKV_DEV void add_key_outliers(const hipkv_attn_params &p, const StreamView &k,
     }
 }
 
+// The codes of channels c..c+N of a q8_0 row (N even, within one block), in 16-bit loads: the
+// codes follow each block's f16 scale, so they are 2-byte aligned and no more.
+template <int N>
+HIPKV_DEV void q8_0_codes(const uint8_t *row, uint32_t c, float x[N]) {
+    const uint8_t *at = row + q8_0_code_offset(c);
+    for (int i = 0; i < N; i += 2) {
+        const uint32_t pair = load2(at + i);
+        x[i] = Int8Codes::value(pair);
+        x[i + 1] = Int8Codes::value(pair >> 8);
+    }
+}
+
 // Scores of token `t` of the run for every query row: `s[r] = q[r] · key(t)`.
 template <int F, int D>
 HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
@@ -197,7 +209,7 @@ HIPKV_DEV void score_token(const hipkv_attn_params &p, const StreamView &k, uint
             for (int r = 0; r < kRows<D>; ++r) dot[r] = 0.0f;
             for (uint32_t c = b * HIPKV_Q8_0_BLOCK; c < (b + 1) * HIPKV_Q8_0_BLOCK; c += 8) {
                 float x[8];
-                codes8<F>(row, c, x);
+                q8_0_codes<8>(row, c, x);
                 for (int r = 0; r < kRows<D>; ++r)
                     if ((uint32_t)r < rows)
                         for (int i = 0; i < 8; ++i) dot[r] += read_global(q + r * D + c + i) * x[i];
@@ -427,7 +439,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
         const uint8_t *row = v.rows + (size_t)t * v.row_bytes;
         float x[kPer];
         if constexpr (kParams<F> == ParamsAt::BlockScale)
-            for (int i = 0; i < kPer; ++i) x[i] = code1<F>(row, c0 + i);
+            q8_0_codes<kPer>(row, c0, x);
         else
             lane_codes<F, kPer>(row, c0, x);
         decode_levels<F, kPer>(flags, 1, x);
