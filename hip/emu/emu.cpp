@@ -141,7 +141,8 @@ struct WaveLoadKey {
 struct WaveLoadHash {
     size_t operator()(const WaveLoadKey &k) const {
         uint64_t h = reinterpret_cast<uintptr_t>(k.site);
-        h = h * 0x9e3779b97f4a7c15ull ^ ((uint64_t)k.wave << 40 | (uint64_t)k.epoch << 20 | k.occurrence);
+        const uint64_t at = (uint64_t)k.wave << 40 | (uint64_t)k.epoch << 20 | k.occurrence;
+        h = h * 0x9e3779b97f4a7c15ull ^ at;
         return (size_t)(h * 0xbf58476d1ce4e5b9ull >> 7);
     }
 };

@@ -8,7 +8,7 @@ use std::any::Any;
 use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int, c_void};
 
-use crate::abi::{hipkv_attn_params, hipkv_write_params};
+use crate::abi::{hipkv_attn_params, hipkv_paged_geometry, hipkv_write_params};
 use crate::error::{Error, Result};
 
 /// What a traced launch loaded from one region of memory (`hipkv_emu_load_counts`, emu.h).
@@ -83,27 +83,22 @@ pub fn trace_loads<R>(f: impl FnOnce() -> R) -> (R, Vec<KernelLoads>) {
 /// The cache and slot-state ranges a launch's params point at, as `[begin, end)` address pairs
 /// (empty for kernels that read neither).
 fn regions(params: &dyn Any) -> [u64; 4] {
-    let (cache, cache_bytes, state, state_bytes) =
-        if let Some(p) = params.downcast_ref::<hipkv_attn_params>() {
-            let g = &p.g;
-            (
-                p.cache as u64,
-                g.num_blocks as u64 * g.block_bytes,
-                p.state as u64,
-                g.max_seqs as u64 * p.slot_state_bytes,
-            )
-        } else if let Some(p) = params.downcast_ref::<hipkv_write_params>() {
-            let g = &p.g;
-            (
-                p.cache as u64,
-                g.num_blocks as u64 * g.block_bytes,
-                p.state as u64,
-                g.max_seqs as u64 * p.slot_state_bytes,
-            )
-        } else {
-            (0, 0, 0, 0)
-        };
-    [cache, cache + cache_bytes, state, state + state_bytes]
+    let ranges = |cache: u64, g: &hipkv_paged_geometry, state: u64, slot_state_bytes: u64| {
+        let cache_end = cache + g.num_blocks as u64 * g.block_bytes;
+        [
+            cache,
+            cache_end,
+            state,
+            state + g.max_seqs as u64 * slot_state_bytes,
+        ]
+    };
+    if let Some(p) = params.downcast_ref::<hipkv_attn_params>() {
+        ranges(p.cache as u64, &p.g, p.state as u64, p.slot_state_bytes)
+    } else if let Some(p) = params.downcast_ref::<hipkv_write_params>() {
+        ranges(p.cache as u64, &p.g, p.state as u64, p.slot_state_bytes)
+    } else {
+        [0; 4]
+    }
 }
 
 include!(concat!(env!("OUT_DIR"), "/emu_units.rs"));
