@@ -14,7 +14,8 @@ use crate::synth::Rng;
 
 pub use crate::backend::{KernelLoads, LoadCounts};
 
-/// Bytes of a cache line of gfx1201's caches (and the unit of a DRAM fetch here).
+/// The line the model counts in: 128 bytes, the unit issue 15's targets are stated in. A cache
+/// of 64-byte lines would see up to twice the lines per load, and the same fetch.
 pub const LINE_BYTES: u64 = 128;
 
 /// The decode step a memory report runs: one sequence of `context` tokens, one query token.
@@ -41,7 +42,9 @@ pub struct MemoryReport {
 }
 
 impl MemoryReport {
-    /// Times each needed KV byte is requested by some lane (1: once per GQA group).
+    /// Bytes the lanes request from KV data per KV byte the step needs: a broadcast (every lane
+    /// loading one token's scale) counts once per lane, and each wave of a GQA group reads every
+    /// row.
     pub fn kv_reads(&self) -> f64 {
         self.kv.bytes as f64 / self.kv_bytes as f64
     }
@@ -58,9 +61,8 @@ impl MemoryReport {
         (self.kv.line_reads * LINE_BYTES) as f64 / self.kv_bytes as f64
     }
 
-    /// The step's DRAM fetch against the KV bytes it must read: every KV line touched, fetched
-    /// once (the caches keep a line between the loads of a run and between the workgroups of a
-    /// GQA group).
+    /// The step's DRAM fetch against the KV bytes it must read if the caches keep every line
+    /// from its first load to its last: each KV line touched, fetched once.
     pub fn fetch(&self) -> f64 {
         (self.kv.lines * LINE_BYTES) as f64 / self.kv_bytes as f64
     }

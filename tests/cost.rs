@@ -34,7 +34,7 @@ fn kernels_read_exactly_the_kv_bytes_a_step_needs() {
 
 /// The table `hipkv info --kernels` prints: every kernel at head_dim 64, 128 and 256 reads its
 /// KV bytes exactly and fetches at most 1.1× them; a wave-level load of KV data touches at
-/// least one line and at most 32 per lane's two (a 16-byte load may straddle two lines).
+/// least one line and at most 64 (32 lanes, each load within two lines).
 #[test]
 fn every_kernel_fetches_at_most_a_tenth_more_than_it_needs() {
     let reports = kernel_reports().unwrap();

@@ -128,6 +128,7 @@ struct Scheduler {
 
 thread_local Scheduler *sched = nullptr;
 
+// The line the trace counts in (`hipkv::cost::LINE_BYTES`).
 constexpr uint64_t kLineBytes = 128;
 
 // One wave-level load instruction of the workgroup running: its lanes' loads.
