@@ -9,6 +9,7 @@
 use crate::backend::{Backend, trace_loads};
 use crate::cache::{CacheConfig, KvCache, Query};
 use crate::error::{Error, Result};
+use crate::kernels::attention_kernel_name;
 use crate::scheme::Scheme;
 use crate::synth::Rng;
 
@@ -123,14 +124,11 @@ pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> 
     }];
     let (result, launches) = trace_loads(|| cache.attend_many(0, &mut queries, scale));
     result?;
+    let name = attention_kernel_name(scheme.k, scheme.v, shape.head_dim);
     let attention = launches
         .into_iter()
-        .find(|l| {
-            l.kernel.starts_with("hipkv_attn_")
-                && l.kernel != "hipkv_attn_prep"
-                && l.kernel != "hipkv_attn_combine"
-        })
-        .ok_or_else(|| Error::Unsupported("the step launched no attention kernel".into()))?;
+        .find(|l| l.kernel == name)
+        .ok_or_else(|| Error::Unsupported(format!("the step launched no {name}")))?;
     Ok(MemoryReport {
         kernel: attention.kernel,
         shape,
