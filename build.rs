@@ -17,6 +17,10 @@ use std::process::{Command, ExitCode};
 
 /// Kernel sources, compiled for the GPU and for the emulator.
 const KERNEL_SOURCES: &[&str] = &["hip/attention.hip", "hip/write.hip"];
+/// The attention source compiled once more per head_dim with `HIPKV_PROBE`: the issue model's
+/// probes (`attention.hip`'s `probe_block`), which `hipkv info --kernels` disassembles and no
+/// one launches.
+const PROBE_SOURCE: &str = "hip/attention.hip";
 /// Headers every kernel includes.
 const HEADERS: &[&str] = &[
     "hip/include/hipkv_abi.h",
@@ -182,22 +186,44 @@ fn find_compiler() -> Result<Compiler, String> {
 /// concurrently with the others (one kernel source takes minutes at -O3 otherwise).
 const HEAD_DIMS: [u32; 3] = [64, 128, 256];
 
-/// Compiles every kernel source device-only for `arch`, one code object per source and head_dim.
-fn compile_for(compiler: &Compiler, arch: &str, out: &Path) -> Result<Vec<PathBuf>, String> {
-    let jobs: Vec<(&str, u32)> = KERNEL_SOURCES
+/// The code objects built for one arch: the kernels, and the issue model's probes.
+struct ArchObjects {
+    kernels: Vec<PathBuf>,
+    probes: Vec<PathBuf>,
+}
+
+/// Compiles every kernel source device-only for `arch`, one code object per source and head_dim,
+/// and the probes, one per head_dim.
+fn compile_for(compiler: &Compiler, arch: &str, out: &Path) -> Result<ArchObjects, String> {
+    let jobs: Vec<(&str, u32, bool)> = KERNEL_SOURCES
         .iter()
-        .flat_map(|src| HEAD_DIMS.iter().map(move |&d| (*src, d)))
+        .map(|src| (*src, false))
+        .chain([(PROBE_SOURCE, true)])
+        .flat_map(|(src, probe)| HEAD_DIMS.iter().map(move |&d| (src, d, probe)))
         .collect();
-    std::thread::scope(|scope| {
+    let built: Vec<PathBuf> = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
             .iter()
-            .map(|&(src, d)| scope.spawn(move || compile_one(compiler, arch, src, d, out)))
+            .map(|&(src, d, probe)| {
+                scope.spawn(move || compile_one(compiler, arch, src, d, probe, out))
+            })
             .collect();
         handles
             .into_iter()
             .map(|h| h.join().expect("compile thread"))
-            .collect()
-    })
+            .collect::<Result<_, _>>()
+    })?;
+    let mut objects = ArchObjects {
+        kernels: Vec::new(),
+        probes: Vec::new(),
+    };
+    for (&(.., probe), path) in jobs.iter().zip(built) {
+        match probe {
+            true => objects.probes.push(path),
+            false => objects.kernels.push(path),
+        }
+    }
+    Ok(objects)
 }
 
 fn compile_one(
@@ -205,14 +231,17 @@ fn compile_one(
     arch: &str,
     src: &str,
     head_dim: u32,
+    probe: bool,
     out: &Path,
 ) -> Result<PathBuf, String> {
     let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
-    let obj = out.join(format!("{stem}.d{head_dim}.{arch}.hsaco"));
+    let kind = if probe { "_probe" } else { "" };
+    let obj = out.join(format!("{stem}{kind}.d{head_dim}.{arch}.hsaco"));
     let output = Command::new(&compiler.program)
         .args(["-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output"])
         .arg(format!("--offload-arch={arch}"))
         .arg(format!("-DHIPKV_HEAD_DIM={head_dim}"))
+        .args(probe.then_some("-DHIPKV_PROBE"))
         .args(["-O3", "-std=c++17", "-Ihip/include", "-c", src, "-o"])
         .arg(&obj)
         .args(&compiler.args)
@@ -228,23 +257,38 @@ fn compile_one(
     Ok(obj)
 }
 
-/// Writes `code_objects.rs`: the embedded code objects and, when there are none, why.
-fn write_code_objects(out: &Path, objects: &[(String, Vec<PathBuf>)], skipped: Option<&str>) {
-    let mut s = String::from("pub(crate) static CODE_OBJECTS: &[CodeObject] = &[\n");
-    for (arch, paths) in objects {
-        for path in paths {
-            let source = path.file_name().unwrap().to_string_lossy();
-            writeln!(
-                s,
-                "    CodeObject {{ arch: {arch:?}, source: {source:?}, bytes: include_bytes!({:?}) }},",
-                path.display()
-            )
-            .unwrap();
-        }
-    }
-    s.push_str("];\n");
+/// Writes `code_objects.rs`: the embedded code objects and probes and, when there are none, why.
+fn write_code_objects(out: &Path, objects: &[(String, ArchObjects)], skipped: Option<&str>) {
+    let mut s = String::new();
+    let kernels = objects
+        .iter()
+        .flat_map(|(arch, o)| o.kernels.iter().map(move |p| (arch, p)));
+    let probes = objects
+        .iter()
+        .flat_map(|(arch, o)| o.probes.iter().map(move |p| (arch, p)));
+    write_list(&mut s, "CODE_OBJECTS", kernels);
+    write_list(&mut s, "PROBE_OBJECTS", probes);
     writeln!(s, "pub(crate) static SKIPPED: Option<&str> = {skipped:?};").unwrap();
     fs::write(out.join("code_objects.rs"), s).expect("write code_objects.rs");
+}
+
+/// One `&[CodeObject]` static of `code_objects.rs`, embedding each (arch, path).
+fn write_list<'a>(
+    s: &mut String,
+    name: &str,
+    objects: impl Iterator<Item = (&'a String, &'a PathBuf)>,
+) {
+    writeln!(s, "pub(crate) static {name}: &[CodeObject] = &[").unwrap();
+    for (arch, path) in objects {
+        let source = path.file_name().unwrap().to_string_lossy();
+        writeln!(
+            s,
+            "    CodeObject {{ arch: {arch:?}, source: {source:?}, bytes: include_bytes!({:?}) }},",
+            path.display()
+        )
+        .unwrap();
+    }
+    s.push_str("];\n");
 }
 
 /// The emulator: the kernel sources compiled for the host with `HIPKV_EMU`, plus its runtime.

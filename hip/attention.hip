@@ -433,7 +433,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
                                  uint32_t flags, Acc<D> &acc) {
     constexpr int kPer = Acc<D>::kPerLane;
     const uint32_t c0 = lane_id() * kPer;
-    HIPKV_ROLLED
+    HIPKV_ROLLED_TOKENS
     for (uint32_t j = 0; j < n; ++j) {
         const uint32_t t = t0 + j;
         const uint8_t *row = v.rows + (size_t)t * v.row_bytes;
@@ -805,7 +805,8 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 
 }  // namespace hipkv
 
-#if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
+// Not in the issue model's probe objects (HIPKV_PROBE), which hold only `probe_block`.
+#if (!defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64) && !defined(HIPKV_PROBE)
 namespace hipkv {
 
 // Rounds channel c of query row `row` to int8, as `quant::quantize_query` does, for a wave whose
@@ -939,11 +940,67 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
 }
 #endif
 
+#if defined(HIPKV_PROBE)
+namespace hipkv {
+
+// What one wave executes for one block in the steady state of a long decode, for the issue model
+// of `hipkv info --kernels` (src/bin/hipkv/issue.rs): a closed block of HIPKV_WAVE tokens (the
+// default page, so one run) stored quantized, with 32-channel groups, no sinks, outliers,
+// windows, codebooks or integer query, and a full wave of query rows. Only build.rs's probe
+// objects hold it: they unroll every loop but the token loop of the values (HIPKV_PROBE), so
+// what the wave executes is a straight line and that loop's 32 trips.
+template <int KF, int VF, int D>
+HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
+    __shared__ float weights[kRows<D>][HIPKV_WAVE];
+    hipkv_attn_params p = args;
+    p.g.pre_rope = 0;
+    p.window = 0;
+    for (hipkv_stream_layout *l : {&p.g.k, &p.g.v}) {
+        l->group = HIPKV_WAVE;
+        l->outlier_slots = 0;
+    }
+    WaveRows<D> w;
+    w.n = kRows<D>;
+    w.first_limit = ~0u;
+    w.steps = 0;
+    w.flags = 0;
+    w.q = vector_ptr(p.q_f32);
+    w.qsum = vector_ptr(p.q_group_sums);
+    w.qsum_stride = p.tokens;
+    w.out = 0;
+    RowState<D> st;
+    Acc<D> acc;
+    for (int r = 0; r < kRows<D>; ++r) {
+        st.max[r] = kNegInf;
+        st.sum[r] = 0.0f;
+        acc.min_sum[r] = 0.0f;
+        for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] = 0.0f;
+    }
+    const uint8_t *block = p.cache;
+    if constexpr (format_is_chan(KF)) fold_chan_query<D>(p, w, block + p.g.k.params);
+    attend_run<KF, VF, D>(p, block_stream(block, p.g.k), block_stream(block, p.g.v), false, false,
+                          0, HIPKV_WAVE, 0, w, st, acc, weights);
+    for (int r = 0; r < kRows<D>; ++r) {
+        if (lane_id() == 0) p.partial_max[r] = st.max[r] + st.sum[r];
+        for (int i = 0; i < Acc<D>::kPerLane; ++i)
+            p.partial_acc[r * D + lane_id() * Acc<D>::kPerLane + i] = acc.v[r][i] + acc.min_sum[r];
+    }
+}
+
+}  // namespace hipkv
+
+// The probes: hipkv_probe_<key format>_<value format>_d<head_dim>, never launched.
+#define HIPKV_ATTN(KN, KF, VN, VF, D)                                                  \
+    HIPKV_ATTN_KERNEL(hipkv_probe_##KN##_##VN##_d##D, hipkv_attn_params) {              \
+        hipkv::probe_block<KF, VF, D>(p);                                               \
+    }
+#else
 // The attention kernels: hipkv_attn_<key format>_<value format>_d<head_dim>.
 #define HIPKV_ATTN(KN, KF, VN, VF, D)                                                  \
     HIPKV_ATTN_KERNEL(hipkv_attn_##KN##_##VN##_d##D, hipkv_attn_params) {               \
         hipkv::attention<KF, VF, D>(p);                                                 \
     }
+#endif
 // Every key format × value format at head_dim D (`HIPKV_FORMATS`).
 #define HIPKV_ATTN_PAIR(VN, VF, KN, KF, D) HIPKV_ATTN(KN, KF, VN, VF, D)
 #define HIPKV_ATTN_K(KN, KF, D) HIPKV_DEFER(HIPKV_FORMATS_AGAIN)()(HIPKV_ATTN_PAIR, KN, KF, D)

@@ -18,6 +18,15 @@ pub fn code_objects() -> &'static [CodeObject] {
     CODE_OBJECTS
 }
 
+/// The issue model's probes (`hipkv info --kernels`), one code object per arch and head_dim:
+/// `hipkv_probe_<key>_<value>_d<head_dim>` is one steady-state block of the attention kernel of
+/// that name, compiled so that its disassembly is what a wave executes (attention.hip's
+/// `probe_block`). Never loaded onto a GPU; empty when the crate was built without a HIP
+/// compiler.
+pub fn probe_objects() -> &'static [CodeObject] {
+    PROBE_OBJECTS
+}
+
 /// The code objects built for `arch` (such as `gfx1201`): one per kernel source and head_dim.
 /// A device whose arch the build does not cover is an error naming both and the rebuild.
 pub fn code_objects_for(arch: &str) -> crate::Result<Vec<&'static CodeObject>> {
@@ -65,6 +74,9 @@ mod tests {
         for o in CODE_OBJECTS {
             // Two kernel sources, three head_dims each.
             assert_eq!(code_objects_for(o.arch).unwrap().len(), 6, "{}", o.arch);
+            // One probe object per head_dim, kept out of what a device loads.
+            let probes = PROBE_OBJECTS.iter().filter(|p| p.arch == o.arch).count();
+            assert_eq!(probes, 3, "{}", o.arch);
         }
     }
 }

@@ -61,10 +61,18 @@
 // Keeps a loop rolled: the row loops inside are unrolled (their state lives in registers), and
 // unrolling the channel and token loops around them too would multiply code size and compile
 // time for nothing on a memory-bound kernel.
+// The token loop of the values stays rolled in the issue model's probes too (attention.hip's
+// `probe_block`), whose other loops are unrolled so that each instruction executes once.
 #if defined(__clang__)
+#define HIPKV_ROLLED_TOKENS _Pragma("unroll 1")
+#if defined(HIPKV_PROBE)
+#define HIPKV_ROLLED _Pragma("unroll")
+#else
 #define HIPKV_ROLLED _Pragma("unroll 1")
+#endif
 #else
 #define HIPKV_ROLLED _Pragma("GCC unroll 1")
+#define HIPKV_ROLLED_TOKENS HIPKV_ROLLED
 #endif
 
 namespace hipkv {
