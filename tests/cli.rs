@@ -191,6 +191,71 @@ fn info_kernels_counts_each_kernels_instructions() {
             assert!(fma > 0, "{cells:?}");
         }
     }
+    issue_model_predicts_every_attention_kernel(&text);
+}
+
+/// The issue model's table (after the census, in the same output): a row per attention kernel
+/// with per-token counts that add up and predictions that agree with each other.
+fn issue_model_predicts_every_attention_kernel(text: &str) {
+    let issue = text
+        .split("\nissue: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no issue model:\n{text}"));
+    let header = issue.lines().find(|l| l.starts_with("kernel ")).unwrap();
+    for column in [
+        "instr/tok",
+        "VALU/tok",
+        "values VALU",
+        "VMEM/tok",
+        "KV B/tok",
+        "GQA 4",
+        "GQA 8",
+        "GQA 8 1-issue",
+    ] {
+        assert!(header.contains(column), "{header}");
+    }
+    let attention: Vec<String> = hipkv::codeobj::embedded_kernels()
+        .unwrap()
+        .into_iter()
+        .map(|k| k.name)
+        .filter(|n| n.starts_with("hipkv_attn_") && n.rsplit('_').next().unwrap().starts_with('d'))
+        .collect();
+    assert_eq!(attention.len(), 192);
+    // A prediction cell: the bound and the fraction of peak it leaves.
+    let verdict = |bound: &str, pct: &str| -> f64 {
+        let pct: f64 = pct.strip_suffix('%').unwrap().parse().unwrap();
+        match bound {
+            // Memory-bound leaves 1 / fetch of peak, and tests/cost.rs bounds fetch by 1.1.
+            "mem" => assert!((90.0..=100.0).contains(&pct), "{pct}"),
+            "issue" => assert!(pct > 0.0 && pct < 100.5, "{pct}"),
+            other => panic!("bound {other}"),
+        }
+        pct
+    };
+    for name in &attention {
+        let cells: Vec<&str> = issue
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|c| c.first() == Some(&name.as_str()))
+            .unwrap_or_else(|| panic!("no issue row for {name}:\n{issue}"));
+        assert_eq!(cells.len(), 15, "{cells:?}");
+        let x = |i: usize| cells[i].parse::<f64>().unwrap();
+        let (instrs, valu, values, salu, vmem, lds, kv) =
+            (x(1), x(2), x(3), x(4), x(5), x(6), x(7));
+        assert!(valu + salu + vmem + lds <= instrs + 1e-9, "{cells:?}");
+        // Each token's key and value bytes are loaded, its weight passes through LDS, and
+        // its value is accumulated in the token loop.
+        assert!(vmem > 0.0 && lds > 0.0 && kv > 0.0, "{cells:?}");
+        assert!(values > 0.0 && values < valu, "{cells:?}");
+        assert!((x(8) - valu / kv).abs() < 0.01, "{cells:?}");
+        let (gqa4, gqa8, single) = (
+            verdict(cells[9], cells[10]),
+            verdict(cells[11], cells[12]),
+            verdict(cells[13], cells[14]),
+        );
+        // Two waves read each block at GQA 8, and every instruction issuing costs more.
+        assert!(gqa8 <= gqa4 && single <= gqa8, "{cells:?}");
+    }
 }
 
 #[test]

@@ -72,33 +72,35 @@ pub struct Census {
 }
 
 impl Census {
-    fn count(&mut self, mnemonic: &str) {
-        self.instructions += 1;
+    /// Counts one instruction `times` times (a loop's body executes more than once).
+    pub fn count(&mut self, mnemonic: &str, times: usize) {
+        let n = |is: bool| times * usize::from(is);
+        self.instructions += times;
         let vmem = ["global_", "flat_", "buffer_"]
             .iter()
             .any(|p| mnemonic.starts_with(p));
         if vmem && mnemonic.contains("_load") {
-            self.vmem_load += 1;
-            self.flat_load += usize::from(mnemonic.starts_with("flat_"));
+            self.vmem_load += times;
+            self.flat_load += n(mnemonic.starts_with("flat_"));
             let bytes = load_bytes(mnemonic);
-            self.byte_load += usize::from(bytes == 1);
-            self.vmem_load_bytes += bytes;
+            self.byte_load += n(bytes == 1);
+            self.vmem_load_bytes += times * bytes;
         } else if vmem {
-            self.vmem_store += 1;
+            self.vmem_store += times;
         } else if mnemonic.starts_with("ds_") {
-            self.lds += 1;
+            self.lds += times;
         } else if mnemonic.starts_with("s_wait") {
-            self.wait += 1;
-            self.wait_load_lds += usize::from(mnemonic == "s_wait_loadcnt_dscnt");
+            self.wait += times;
+            self.wait_load_lds += n(mnemonic == "s_wait_loadcnt_dscnt");
         } else if mnemonic.starts_with("s_load") || mnemonic.starts_with("s_buffer_load") {
-            self.smem += 1;
+            self.smem += times;
         } else if mnemonic.starts_with("s_") {
-            self.salu += 1;
+            self.salu += times;
         } else if mnemonic.starts_with("v_") {
-            self.valu += 1;
-            self.fma += usize::from(mnemonic.starts_with("v_fma"));
-            self.dot += usize::from(mnemonic.starts_with("v_dot"));
-            self.packed += usize::from(mnemonic.starts_with("v_pk_"));
+            self.valu += times;
+            self.fma += n(mnemonic.starts_with("v_fma"));
+            self.dot += n(mnemonic.starts_with("v_dot"));
+            self.packed += n(mnemonic.starts_with("v_pk_"));
         }
     }
 }
@@ -131,7 +133,7 @@ pub fn parse(disassembly: &str) -> Vec<(String, Census)> {
         } else if let (Some(body), Some((_, census))) = (line.strip_prefix('\t'), out.last_mut())
             && let Some(mnemonic) = body.split_whitespace().next()
         {
-            census.count(mnemonic);
+            census.count(mnemonic, 1);
         }
     }
     out
@@ -157,6 +159,14 @@ pub fn of_code_object(
     tool: &Path,
     object: &hipkv::kernels::CodeObject,
 ) -> Result<Vec<(String, Census)>, CensusError> {
+    Ok(parse(&disassemble(tool, object)?))
+}
+
+/// `llvm-objdump -d` of one code object.
+pub fn disassemble(
+    tool: &Path,
+    object: &hipkv::kernels::CodeObject,
+) -> Result<String, CensusError> {
     let path = std::env::temp_dir().join(format!("hipkv-{}-{}", std::process::id(), object.source));
     std::fs::write(&path, object.bytes).map_err(|source| CensusError::Write {
         path: path.clone(),
@@ -180,7 +190,7 @@ pub fn of_code_object(
             String::from_utf8_lossy(&output.stderr).trim().to_string(),
         ));
     }
-    Ok(parse(&String::from_utf8_lossy(&output.stdout)))
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
 /// One row per kernel.

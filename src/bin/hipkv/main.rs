@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 mod batch;
 mod census;
+mod issue;
 #[cfg(feature = "peer-llamacpp")]
 mod peer;
 
@@ -267,6 +268,8 @@ enum CliError {
     CodeObject(#[from] hipkv::codeobj::CodeObjectError),
     #[error("instruction census: {0}")]
     Census(#[from] census::CensusError),
+    #[error("issue model: {0}")]
+    Issue(#[from] issue::IssueError),
     #[error(transparent)]
     Eval(#[from] hipkv::eval::EvalError),
     #[error("{path}: not the JSON of `hipkv eval --save`: {source}")]
@@ -593,21 +596,23 @@ fn info_kernels() -> Result<(), CliError> {
     } else {
         gpu_kernels(objects)?;
     }
-    memory_model()
+    let reports = memory_model()?;
+    if !objects.is_empty() {
+        issue_model(&reports)?;
+    }
+    Ok(())
 }
 
 /// The memory half of the GPU cost model, from the emulator's load trace (any build).
-fn memory_model() -> Result<(), CliError> {
+fn memory_model() -> Result<Vec<hipkv::cost::MemoryReport>, CliError> {
     let shape = hipkv::cost::report_shape(0);
     println!(
         "\nmemory: the global loads of one decode step's attention kernel, traced in the SIMT \
          emulator ({} tokens, {} KV heads, GQA {})\n",
         shape.context, shape.kv_heads, shape.gqa
     );
-    print!(
-        "{}",
-        hipkv::cost::memory_table(&hipkv::cost::kernel_reports()?)
-    );
+    let reports = hipkv::cost::kernel_reports()?;
+    print!("{}", hipkv::cost::memory_table(&reports));
     println!(
         "\nKV B/tok: the KV bytes the step must read per token and KV head (blocks and f16 \
          windows); requested: bytes the lanes load from them, per KV byte (a broadcast counts \
@@ -617,6 +622,42 @@ fn memory_model() -> Result<(), CliError> {
          wave loads between two lane exchanges (its working set); other/KV B: bytes the lanes load \
          from the queries, workspace and metadata per KV byte (element by element as the source \
          reads them). docs/performance.md states the model's assumptions."
+    );
+    Ok(reports)
+}
+
+/// The issue half of the GPU cost model, from the disassembly of the probes (GPU builds).
+fn issue_model(reports: &[hipkv::cost::MemoryReport]) -> Result<(), CliError> {
+    let tool = match census::objdump() {
+        Ok(tool) => tool,
+        Err(why) => {
+            println!("\nno issue model: {why}");
+            return Ok(());
+        }
+    };
+    let mut probes = Vec::new();
+    for object in hipkv::kernels::probe_objects() {
+        probes.extend(issue::functions(&census::disassemble(&tool, object)?));
+    }
+    let card = issue::RX_9070_XT;
+    println!(
+        "\nissue: what one wave executes per token in the steady state of a long decode \
+         (32-token blocks), counted in the disassembly of each kernel's probe, and the bound it \
+         predicts on the {} ({} CUs × {} SIMD32 at {} GHz, {} GB/s)\n",
+        card.name, card.compute_units, card.simds_per_cu, card.clock_ghz, card.bandwidth_gbs
+    );
+    print!("{}", issue::table(&issue::rows(reports, &probes)?, &card));
+    println!(
+        "\ninstr/tok, VALU/tok, SALU/tok, VMEM/tok, LDS/tok: instructions one wave executes per \
+         token, all and by class (a wave reads each token for {} query rows); values VALU: of \
+         VALU/tok, those of the token loop that accumulates the values; KV B/tok: as in the \
+         memory table; VALU/KV B: VALU/tok per KV byte; GQA 4, GQA 8: the bound, memory (mem) or VALU issue, and the fraction \
+         of peak bandwidth it leaves, with one wave per {} query rows reading each block, each \
+         SIMD issuing one VALU instruction per cycle and the other classes alongside; GQA 8 \
+         1-issue: the same if every instruction took an issue cycle. docs/performance.md states \
+         the model's assumptions.",
+        hipkv::abi::hipkv_rows(0),
+        hipkv::abi::hipkv_rows(0)
     );
     Ok(())
 }
