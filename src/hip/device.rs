@@ -15,6 +15,8 @@ pub struct Device {
     /// `:xnack-` stripped).
     pub arch: String,
     pub compute_units: usize,
+    /// Peak shader clock in kHz, as the runtime reports it.
+    pub clock_khz: u64,
     pub memory_bytes: u64,
     /// Peak memory clock in kHz, as the runtime reports it.
     pub memory_clock_khz: u64,
@@ -62,6 +64,7 @@ impl Devices {
                     name: c_text(&p.name),
                     arch: arch.split(':').next().unwrap_or_default().to_string(),
                     compute_units: usize::try_from(p.multiProcessorCount).unwrap_or(0),
+                    clock_khz: u64::try_from(p.clockRate).unwrap_or(0),
                     memory_bytes: p.totalGlobalMem as u64,
                     memory_clock_khz: u64::try_from(p.memoryClockRate).unwrap_or(0),
                     memory_bus_bits: u64::try_from(p.memoryBusWidth).unwrap_or(0),
@@ -102,6 +105,7 @@ mod tests {
             name: "AMD Instinct MI250X".into(),
             arch: "gfx90a".into(),
             compute_units: 110,
+            clock_khz: 1_700_000,
             memory_bytes: 64 << 30,
             memory_clock_khz: 1_600_000,
             memory_bus_bits: 8192,

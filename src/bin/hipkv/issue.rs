@@ -325,6 +325,16 @@ pub struct Card {
     pub bandwidth_gbs: f64,
 }
 
+impl std::fmt::Display for Card {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} CUs × {} SIMD32 at {} GHz, {} GB/s",
+            self.name, self.compute_units, self.simds_per_cu, self.clock_ghz, self.bandwidth_gbs
+        )
+    }
+}
+
 /// AMD's published figures for the RX 9070 XT: 64 compute units and 4096 stream processors
 /// (so 2 SIMD32 per CU), a 2.4 GHz game clock (2.97 GHz boost), 20 Gbps GDDR6 on a 256-bit bus
 /// (640 GB/s).
@@ -477,6 +487,50 @@ pub fn table(rows: &[Row], card: &Card) -> String {
         );
     }
     out
+}
+
+/// The model beside `hipkv bench`'s device rows: the probes of one arch, disassembled once, and
+/// the card to predict for.
+pub struct Predictor {
+    probes: Vec<Function>,
+    card: Card,
+}
+
+impl Predictor {
+    /// `None` where the build has no probes for `arch` or no `llvm-objdump` is found.
+    pub fn new(arch: &str, card: Card) -> Result<Option<Predictor>, crate::CliError> {
+        let objects = hipkv::kernels::probe_objects()
+            .iter()
+            .filter(|o| o.arch == arch);
+        let Ok(tool) = crate::census::objdump() else {
+            return Ok(None);
+        };
+        let mut probes = Vec::new();
+        for object in objects {
+            probes.extend(functions(&crate::census::disassemble(&tool, object)?));
+        }
+        Ok((!probes.is_empty()).then_some(Predictor { probes, card }))
+    }
+
+    pub fn card(&self) -> &Card {
+        &self.card
+    }
+
+    /// The fraction of peak bandwidth the model predicts for the kernel of `scheme`'s key and
+    /// value formats at `head_dim` and `gqa`: that pair's steady state (32-channel groups, no
+    /// sinks, outliers or windows, whatever the scheme has).
+    pub fn fraction_of_peak(
+        &self,
+        scheme: &hipkv::Scheme,
+        head_dim: usize,
+        gqa: usize,
+    ) -> Result<f64, crate::CliError> {
+        let pair: hipkv::Scheme =
+            format!("k={},v={}", scheme.k.kernel_name(), scheme.v.kernel_name()).parse()?;
+        let memory = hipkv::cost::memory_report(&pair, hipkv::cost::report_shape(head_dim))?;
+        let row = &rows(std::slice::from_ref(&memory), &self.probes)?[0];
+        Ok(row.predict(&self.card, gqa, false).fraction_of_peak)
+    }
 }
 
 #[cfg(test)]

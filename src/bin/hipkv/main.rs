@@ -643,8 +643,7 @@ fn issue_model(reports: &[hipkv::cost::MemoryReport]) -> Result<(), CliError> {
     println!(
         "\nissue: what one wave executes per token in the steady state of a long decode \
          (32-token blocks), counted in the disassembly of each kernel's probe, and the bound it \
-         predicts on the {} ({} CUs × {} SIMD32 at {} GHz, {} GB/s)\n",
-        card.name, card.compute_units, card.simds_per_cu, card.clock_ghz, card.bandwidth_gbs
+         predicts on the {card}\n"
     );
     print!("{}", issue::table(&issue::rows(reports, &probes)?, &card));
     println!(
@@ -771,6 +770,9 @@ struct Row {
     pct_of_memcpy: Option<f64>,
     /// HIP backend: of the GPU's peak bandwidth.
     pct_of_peak: Option<f64>,
+    /// Device backends (HIP, emu), GPU builds: the issue model's prediction of `pct_of_peak`
+    /// for the kernel of the scheme's formats, in its steady state (`info --kernels`).
+    model_pct_of_peak: Option<f64>,
     bytes_per_step: usize,
     speedup_vs_q8: Option<f64>,
     speedup_vs_f16: Option<f64>,
@@ -832,6 +834,8 @@ struct Report {
     memcpy: Option<Memcpy>,
     /// The `--peer` library, how it was built and how it ran.
     peer: Option<String>,
+    /// The card the rows' `model_pct_of_peak` is predicted for.
+    model_card: Option<String>,
     rows: Vec<Row>,
 }
 
@@ -877,19 +881,19 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         KvCache::new(shape.config(s, 1, 1))?;
     }
 
-    let gpu = match backend {
-        Backend::Hip => {
-            // A one-token cache opens the GPU the bench will use.
-            let probe = KvCache::with_backend(shape.config(schemes[0], 1, 1), backend)?;
-            probe.device().map(|d| Gpu {
-                name: d.name.clone(),
-                arch: d.arch.clone(),
-                compute_units: d.compute_units,
-                peak_gb_per_s: d.peak_bandwidth_gbs(),
-            })
-        }
+    let device = match backend {
+        // A one-token cache opens the GPU the bench will use.
+        Backend::Hip => KvCache::with_backend(shape.config(schemes[0], 1, 1), backend)?
+            .device()
+            .cloned(),
         _ => None,
     };
+    let gpu = device.as_ref().map(|d| Gpu {
+        name: d.name.clone(),
+        arch: d.arch.clone(),
+        compute_units: d.compute_units,
+        peak_gb_per_s: d.peak_bandwidth_gbs(),
+    });
 
     let working_set = match backend {
         Backend::Cpu => CPU_WORKING_SET,
@@ -965,6 +969,18 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         }
         set_speedups(&mut rows[first..]);
     }
+    progress.set_message("the issue model's predictions");
+    let predictor = predictor(backend, device.as_ref())?;
+    if let Some(predictor) = &predictor {
+        let predicted = schemes
+            .iter()
+            .map(|s| predictor.fraction_of_peak(s, shape.head_dim, shape.gqa))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The rows are each context's schemes in order.
+        for (row, p) in rows.iter_mut().zip(predicted.iter().cycle()) {
+            row.model_pct_of_peak = Some(100.0 * p);
+        }
+    }
     progress.finish_and_clear();
 
     let report = Report {
@@ -982,6 +998,7 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         working_set_bytes: baseline.working_set,
         memcpy,
         peer: peer.map(|p| p.describe()),
+        model_card: predictor.map(|p| p.card().to_string()),
         rows,
     };
     if args.json {
@@ -990,6 +1007,29 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
         print_table(&report);
     }
     Ok(())
+}
+
+/// The issue model for a device bench: the GPU's own figures on the HIP backend (2 SIMD32 per
+/// compute unit, as on RDNA), an RX 9070 XT's on the emulator; none on the CPU backend or
+/// where the model cannot run (no probes, no `llvm-objdump`).
+fn predictor(
+    backend: Backend,
+    gpu: Option<&hipkv::hip::Device>,
+) -> Result<Option<issue::Predictor>, CliError> {
+    match (backend, gpu) {
+        (Backend::Hip, Some(d)) => {
+            let card = issue::Card {
+                name: "the GPU",
+                compute_units: d.compute_units,
+                simds_per_cu: issue::RX_9070_XT.simds_per_cu,
+                clock_ghz: d.clock_khz as f64 / 1e6,
+                bandwidth_gbs: d.peak_bandwidth_gbs(),
+            };
+            issue::Predictor::new(&d.arch, card)
+        }
+        (Backend::Emu, _) => issue::Predictor::new("gfx1201", issue::RX_9070_XT),
+        _ => Ok(None),
+    }
 }
 
 /// Copies a buffer far larger than the caches with every core; the best of a few runs is the
@@ -1086,6 +1126,7 @@ fn bench_row(
         gb_per_s,
         pct_of_memcpy: baseline.memcpy.map(|m| 100.0 * gb_per_s / m.read_gb_per_s),
         pct_of_peak: baseline.peak_gb_per_s.map(|p| 100.0 * gb_per_s / p),
+        model_pct_of_peak: None,
         bytes_per_step: bytes,
         speedup_vs_q8: None,
         speedup_vs_f16: None,
@@ -1279,6 +1320,12 @@ fn print_table(report: &Report) {
              (× peer = the peer's time / hipkv's)"
         );
     }
+    if let Some(card) = &report.model_card {
+        println!(
+            "model: the %peak the issue model predicts for the kernel of each row's formats on \
+             {card}, in the steady state of a long context (`hipkv info --kernels`)"
+        );
+    }
     println!();
     let w = report
         .rows
@@ -1299,8 +1346,12 @@ fn print_table(report: &Report) {
         ),
         None => String::new(),
     };
+    let model_header = match &report.model_card {
+        Some(_) => format!("  {:>6}", "model"),
+        None => String::new(),
+    };
     println!(
-        "{:>7}  {:<w$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>6}  {:>6}{peer_header}",
+        "{:>7}  {:<w$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}{model_header}  {:>6}  {:>6}{peer_header}",
         "context", "scheme", "seqs", "MiB/step", "µs/step", "GB/s", share, "vs q8", "vs f16"
     );
     let speedup = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}×"));
@@ -1321,8 +1372,11 @@ fn print_table(report: &Report) {
                 format!("{:.2}×", p.speedup)
             )
         });
+        let model = r
+            .model_pct_of_peak
+            .map_or(String::new(), |p| format!("  {:>6}", format!("{p:.0}%")));
         println!(
-            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>8}  {:>6}  {:>6}{peer}",
+            "{:>7}  {:<w$}  {:>5}  {:>9.2}  {:>9.1}  {:>6.1}  {:>8}{model}  {:>6}  {:>6}{peer}",
             r.context,
             r.scheme,
             r.sequences,
