@@ -946,10 +946,11 @@ namespace hipkv {
 // What one wave executes for one block in the steady state of a long decode, for the issue model
 // of `hipkv info --kernels` (src/bin/hipkv/issue.rs): a closed block of HIPKV_WAVE tokens (the
 // default page, so one run) stored quantized, with 32-channel groups, no sinks, outliers,
-// windows, codebooks or integer query, and a full wave of query rows. Only build.rs's probe
-// objects hold it: they unroll every loop but the token loop of the values (HIPKV_PROBE), so
-// what the wave executes is a straight line and that loop's 32 trips.
-template <int KF, int VF, int D>
+// windows or codebooks, keys scored from the f32 query rows or, with `kIntQuery`, the int8
+// ones (`iq`), and a full wave of query rows. Only build.rs's probe objects hold it: they
+// unroll every loop but the token loop of the values (HIPKV_PROBE), so what the wave executes
+// is a straight line and that loop's 32 trips.
+template <int KF, int VF, int D, bool kIntQuery>
 HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
     __shared__ float weights[kRows<D>][HIPKV_WAVE];
     hipkv_attn_params p = args;
@@ -963,7 +964,7 @@ HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
     w.n = kRows<D>;
     w.first_limit = ~0u;
     w.steps = 0;
-    w.flags = 0;
+    w.flags = kIntQuery ? kIntQueryFlag : 0;
     w.q = vector_ptr(p.q_f32);
     w.qsum = vector_ptr(p.q_group_sums);
     w.qsum_stride = p.tokens;
@@ -989,10 +990,14 @@ HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
 
 }  // namespace hipkv
 
-// The probes: hipkv_probe_<key format>_<value format>_d<head_dim>, never launched.
+// The probes, never launched: hipkv_probe_<key format>_<value format>_d<head_dim>, and
+// hipkv_probe_iq_… for `iq` (empty where the key format has no integer-query scores).
 #define HIPKV_ATTN(KN, KF, VN, VF, D)                                                  \
     HIPKV_ATTN_KERNEL(hipkv_probe_##KN##_##VN##_d##D, hipkv_attn_params) {              \
-        hipkv::probe_block<KF, VF, D>(p);                                               \
+        hipkv::probe_block<KF, VF, D, false>(p);                                        \
+    }                                                                                   \
+    HIPKV_ATTN_KERNEL(hipkv_probe_iq_##KN##_##VN##_d##D, hipkv_attn_params) {           \
+        if constexpr (hipkv::format_int_query(KF)) hipkv::probe_block<KF, VF, D, true>(p); \
     }
 #else
 // The attention kernels: hipkv_attn_<key format>_<value format>_d<head_dim>.

@@ -31,6 +31,8 @@ pub struct StepShape {
 /// What one decode step's attention kernel loads, from the trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryReport {
+    /// The scheme the step's cache was stored in.
+    pub scheme: Scheme,
     pub kernel: String,
     pub shape: StepShape,
     /// The KV bytes the step must read ([`KvCache::bytes_read`]).
@@ -130,6 +132,7 @@ pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> 
         .find(|l| l.kernel == name)
         .ok_or_else(|| Error::Unsupported(format!("the step launched no {name}")))?;
     Ok(MemoryReport {
+        scheme: *scheme,
         kernel: attention.kernel,
         shape,
         kv_bytes: cache.bytes_read(0, 0)? as u64,

@@ -211,6 +211,8 @@ fn issue_model_predicts_every_attention_kernel(text: &str) {
         "GQA 4",
         "GQA 8",
         "GQA 8 1-issue",
+        "iq VALU/tok",
+        "iq GQA 8",
     ] {
         assert!(header.contains(column), "{header}");
     }
@@ -238,8 +240,18 @@ fn issue_model_predicts_every_attention_kernel(text: &str) {
             .map(|l| l.split_whitespace().collect::<Vec<_>>())
             .find(|c| c.first() == Some(&name.as_str()))
             .unwrap_or_else(|| panic!("no issue row for {name}:\n{issue}"));
-        assert_eq!(cells.len(), 15, "{cells:?}");
         let x = |i: usize| cells[i].parse::<f64>().unwrap();
+        // Integer-query scores (`iq`) exist for q8, q8_0 and per-token keys.
+        let int_query = ["q8_", "q4_tok_", "q2_tok_"]
+            .iter()
+            .any(|k| name.starts_with(&format!("hipkv_attn_{k}")));
+        assert_eq!(cells.len(), if int_query { 18 } else { 17 }, "{cells:?}");
+        if int_query {
+            assert!(x(15) > 0.0, "{cells:?}");
+            verdict(cells[16], cells[17]);
+        } else {
+            assert_eq!(cells[15..], ["-", "-"], "{cells:?}");
+        }
         let (instrs, valu, values, salu, vmem, lds, kv) =
             (x(1), x(2), x(3), x(4), x(5), x(6), x(7));
         assert!(valu + salu + vmem + lds <= instrs + 1e-9, "{cells:?}");

@@ -30,6 +30,11 @@ pub enum IssueError {
     #[error("no issue-model probe of {0} was built")]
     NoProbe(String),
     #[error(
+        "{function}: a branch at {at:#x} decides on a wave-uniform condition outside the token \
+         loop, so the probe would count a path the wave does not take"
+    )]
+    UniformBranch { function: String, at: u64 },
+    #[error(
         "{function}: {loops} loops where the issue model expects exactly one (the token loop of \
          the values)"
     )]
@@ -296,6 +301,15 @@ pub fn block_census(probe: &Function) -> Result<Block, IssueError> {
     let mut block = Block::default();
     for b in graph.reverse_postorder() {
         for x in &probe.instructions[graph.blocks[b].clone()] {
+            // Outside the loop only branches on the exec mask (lanes skipping a region the
+            // others run) may remain: the wave runs the region, and it counts once.
+            let uniform = x.mnemonic.starts_with("s_cbranch") && !x.mnemonic.contains("exec");
+            if uniform && !in_loop[b] {
+                return Err(IssueError::UniformBranch {
+                    function: probe.name.clone(),
+                    at: x.address,
+                });
+            }
             if in_loop[b] {
                 block.executed.count(&x.mnemonic, BLOCK_TOKENS);
                 block.token_loop.count(&x.mnemonic, 1);
@@ -305,13 +319,6 @@ pub fn block_census(probe: &Function) -> Result<Block, IssueError> {
         }
     }
     Ok(block)
-}
-
-/// The attention kernel a probe models: `hipkv_probe_<pair>` → `hipkv_attn_<pair>`.
-pub fn modelled_kernel(probe: &str) -> Option<String> {
-    probe
-        .strip_prefix("hipkv_probe_")
-        .map(|pair| format!("hipkv_attn_{pair}"))
 }
 
 /// The figures of the card the model predicts for.
@@ -382,6 +389,8 @@ pub struct Row<'a> {
     pub memory: &'a MemoryReport,
     /// What one wave executes per block (`block_census` of the kernel's probe).
     pub block: Block,
+    /// The same with keys scored from the int8 query (`iq`), where the key format has it.
+    pub int_query: Option<Block>,
 }
 
 impl Row<'_> {
@@ -395,10 +404,17 @@ impl Row<'_> {
         m.kv_bytes as f64 / (m.shape.context * m.shape.kv_heads) as f64
     }
 
-    /// The prediction at GQA `gqa`, VALU instructions issuing (the other classes alongside,
-    /// from other waves), or every instruction taking an issue cycle (`single_issue`).
-    pub fn predict(&self, card: &Card, gqa: usize, single_issue: bool) -> Prediction {
-        let c = &self.block.executed;
+    /// The prediction at GQA `gqa` for `block` (this row's, or its `iq` one), VALU
+    /// instructions issuing (the other classes alongside, from other waves), or every
+    /// instruction taking an issue cycle (`single_issue`).
+    pub fn predict(
+        &self,
+        block: &Block,
+        card: &Card,
+        gqa: usize,
+        single_issue: bool,
+    ) -> Prediction {
+        let c = &block.executed;
         let issued = if single_issue { c.instructions } else { c.valu };
         predict(
             card,
@@ -416,19 +432,26 @@ pub fn rows<'a>(
     reports: &'a [MemoryReport],
     probes: &[Function],
 ) -> Result<Vec<Row<'a>>, IssueError> {
-    let by_kernel: BTreeMap<String, &Function> = probes
-        .iter()
-        .filter_map(|f| Some((modelled_kernel(&f.name)?, f)))
-        .collect();
+    let by_name: BTreeMap<&str, &Function> = probes.iter().map(|f| (f.name.as_str(), f)).collect();
+    let census = |name: String| match by_name.get(name.as_str()) {
+        Some(probe) => block_census(probe),
+        None => Err(IssueError::NoProbe(name)),
+    };
     reports
         .iter()
         .map(|memory| {
-            let probe = by_kernel
-                .get(&memory.kernel)
+            let pair = memory
+                .kernel
+                .strip_prefix("hipkv_attn_")
                 .ok_or_else(|| IssueError::NoProbe(memory.kernel.clone()))?;
+            let int_query = memory.scheme.int_query_applies();
             Ok(Row {
                 memory,
-                block: block_census(probe)?,
+                block: census(format!("hipkv_probe_{pair}"))?,
+                int_query: match int_query {
+                    true => Some(census(format!("hipkv_probe_iq_{pair}"))?),
+                    false => None,
+                },
             })
         })
         .collect()
@@ -454,7 +477,7 @@ pub fn table(rows: &[Row], card: &Card) -> String {
         .unwrap_or(6)
         .max(6);
     let mut out = format!(
-        "{:width$}  {:>9}  {:>8}  {:>11}  {:>8}  {:>8}  {:>7}  {:>8}  {:>9}  {:>10}  {:>10}  {:>12}\n",
+        "{:width$}  {:>9}  {:>8}  {:>11}  {:>8}  {:>8}  {:>7}  {:>8}  {:>9}  {:>10}  {:>10}  {:>12}  {:>11}  {:>10}\n",
         "kernel",
         "instr/tok",
         "VALU/tok",
@@ -466,12 +489,14 @@ pub fn table(rows: &[Row], card: &Card) -> String {
         "VALU/KV B",
         "GQA 4",
         "GQA 8",
-        "GQA 8 1-issue"
+        "GQA 8 1-issue",
+        "iq VALU/tok",
+        "iq GQA 8"
     );
     for r in rows {
         let c = &r.block.executed;
         out += &format!(
-            "{:width$}  {:>9.1}  {:>8.1}  {:>11}  {:>8.1}  {:>8.2}  {:>7.2}  {:>8.1}  {:>9.2}  {:>10}  {:>10}  {:>12}\n",
+            "{:width$}  {:>9.1}  {:>8.1}  {:>11}  {:>8.1}  {:>8.2}  {:>7.2}  {:>8.1}  {:>9.2}  {:>10}  {:>10}  {:>12}  {:>11}  {:>10}\n",
             r.memory.kernel,
             r.per_token(c.instructions),
             r.per_token(c.valu),
@@ -481,9 +506,15 @@ pub fn table(rows: &[Row], card: &Card) -> String {
             r.per_token(c.lds),
             r.kv_bytes_per_token(),
             r.per_token(c.valu) / r.kv_bytes_per_token(),
-            verdict(r.predict(card, 4, false)),
-            verdict(r.predict(card, 8, false)),
-            verdict(r.predict(card, 8, true)),
+            verdict(r.predict(&r.block, card, 4, false)),
+            verdict(r.predict(&r.block, card, 8, false)),
+            verdict(r.predict(&r.block, card, 8, true)),
+            r.int_query.map_or("-".into(), |b| format!(
+                "{:.1}",
+                r.per_token(b.executed.valu)
+            )),
+            r.int_query
+                .map_or("-".into(), |b| verdict(r.predict(&b, card, 8, false))),
         );
     }
     out
@@ -518,7 +549,7 @@ impl Predictor {
 
     /// The fraction of peak bandwidth the model predicts for the kernel of `scheme`'s key and
     /// value formats at `head_dim` and `gqa`: that pair's steady state (32-channel groups, no
-    /// sinks, outliers or windows, whatever the scheme has).
+    /// sinks, outliers or windows, whatever the scheme has), with `iq` where the scheme has it.
     pub fn fraction_of_peak(
         &self,
         scheme: &hipkv::Scheme,
@@ -529,7 +560,11 @@ impl Predictor {
             format!("k={},v={}", scheme.k.kernel_name(), scheme.v.kernel_name()).parse()?;
         let memory = hipkv::cost::memory_report(&pair, hipkv::cost::report_shape(head_dim))?;
         let row = &rows(std::slice::from_ref(&memory), &self.probes)?[0];
-        Ok(row.predict(&self.card, gqa, false).fraction_of_peak)
+        let block = match (scheme.int_query, row.int_query) {
+            (true, Some(iq)) => iq,
+            _ => row.block,
+        };
+        Ok(row.predict(&block, &self.card, gqa, false).fraction_of_peak)
     }
 }
 
@@ -577,6 +612,13 @@ mod tests {
             e.to_string(),
             "hipkv_probe_q8_q8_d64: 0 loops where the issue model expects exactly one (the \
              token loop of the values)"
+        );
+        let uniform = PROBE.replace("s_cbranch_execz 1 ", "s_cbranch_vccz 1  ");
+        let e = block_census(&functions(&uniform)[0]).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("hipkv_probe_q8_q8_d64: a branch at 0x101c decides on a wave-uniform"),
+            "{e}"
         );
         let nowhere = PROBE.replace("+0xc>", "+0xe>");
         let e = block_census(&functions(&nowhere)[0]).unwrap_err();

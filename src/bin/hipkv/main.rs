@@ -653,8 +653,9 @@ fn issue_model(reports: &[hipkv::cost::MemoryReport]) -> Result<(), CliError> {
          memory table; VALU/KV B: VALU/tok per KV byte; GQA 4, GQA 8: the bound, memory (mem) or VALU issue, and the fraction \
          of peak bandwidth it leaves, with one wave per {} query rows reading each block, each \
          SIMD issuing one VALU instruction per cycle and the other classes alongside; GQA 8 \
-         1-issue: the same if every instruction took an issue cycle. docs/performance.md states \
-         the model's assumptions.",
+         1-issue: the same if every instruction took an issue cycle; iq VALU/tok, iq GQA 8: \
+         VALU/tok and GQA 8 with keys scored from the int8 query (`iq`), for the key formats \
+         that have it. docs/performance.md states the model's assumptions.",
         hipkv::abi::hipkv_rows(0),
         hipkv::abi::hipkv_rows(0)
     );
