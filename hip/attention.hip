@@ -110,6 +110,17 @@ struct Acc {
     float min_sum[kRows<D>];
 };
 
+// Rows that have seen no position: max -inf, sums and accumulators 0.
+template <int D>
+HIPKV_DEV void start_rows(RowState<D> &st, Acc<D> &acc) {
+    for (int r = 0; r < kRows<D>; ++r) {
+        st.max[r] = kNegInf;
+        st.sum[r] = 0.0f;
+        acc.min_sum[r] = 0.0f;
+        for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] = 0.0f;
+    }
+}
+
 // The query rows of one wave: `n` consecutive rows of a sequence's (token, GQA head) rows, and
 // where their inputs and this split's partial outputs live (row r at base + r, or + r·D). The
 // partial outputs also hold, until the wave's end, a block's folded query of per-channel keys
@@ -715,12 +726,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 
     RowState<D> st;
     Acc<D> acc;
-    for (int r = 0; r < kRows<D>; ++r) {
-        st.max[r] = kNegInf;
-        st.sum[r] = 0.0f;
-        acc.min_sum[r] = 0.0f;
-        for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] = 0.0f;
-    }
+    start_rows<D>(st, acc);
     // This wave's part of the LDS at a scalar offset, which its accesses take as a constant.
     float(*wave_weights)[HIPKV_WAVE] = weights[(uint32_t)uniform_u32(wave)];
 
@@ -971,12 +977,7 @@ HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
     w.out = 0;
     RowState<D> st;
     Acc<D> acc;
-    for (int r = 0; r < kRows<D>; ++r) {
-        st.max[r] = kNegInf;
-        st.sum[r] = 0.0f;
-        acc.min_sum[r] = 0.0f;
-        for (int i = 0; i < Acc<D>::kPerLane; ++i) acc.v[r][i] = 0.0f;
-    }
+    start_rows<D>(st, acc);
     const uint8_t *block = p.cache;
     if constexpr (format_is_chan(KF)) fold_chan_query<D>(p, w, block + p.g.k.params);
     attend_run<KF, VF, D>(p, block_stream(block, p.g.k), block_stream(block, p.g.v), false, false,
