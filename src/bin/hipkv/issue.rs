@@ -342,6 +342,9 @@ impl std::fmt::Display for Card {
     }
 }
 
+/// The arch of the card `hipkv info --kernels` and the emulator's bench model.
+pub const MODEL_ARCH: &str = "gfx1201";
+
 /// AMD's published figures for the RX 9070 XT: 64 compute units and 4096 stream processors
 /// (so 2 SIMD32 per CU), a 2.4 GHz game clock (2.97 GHz boost), 20 Gbps GDDR6 on a 256-bit bus
 /// (640 GB/s).
@@ -428,10 +431,7 @@ impl Row<'_> {
 
 /// Pairs each memory report with its kernel's probe in `probes` (every function of the probe
 /// objects' disassembly).
-pub fn rows<'a>(
-    reports: &'a [MemoryReport],
-    probes: &[Function],
-) -> Result<Vec<Row<'a>>, IssueError> {
+fn rows<'a>(reports: &'a [MemoryReport], probes: &[Function]) -> Result<Vec<Row<'a>>, IssueError> {
     let by_name: BTreeMap<&str, &Function> = probes.iter().map(|f| (f.name.as_str(), f)).collect();
     let census = |name: String| match by_name.get(name.as_str()) {
         Some(probe) => block_census(probe),
@@ -528,23 +528,30 @@ pub struct Predictor {
 }
 
 impl Predictor {
-    /// `None` where the build has no probes for `arch` or no `llvm-objdump` is found.
-    pub fn new(arch: &str, card: Card) -> Result<Option<Predictor>, crate::CliError> {
-        let objects = hipkv::kernels::probe_objects()
-            .iter()
-            .filter(|o| o.arch == arch);
-        let Ok(tool) = crate::census::objdump() else {
-            return Ok(None);
-        };
+    /// The probes built for `arch`, disassembled with `tool`; `None` where the build has none.
+    /// Each arch's probes have the same names, so one arch is modelled at a time.
+    pub fn new(
+        tool: &std::path::Path,
+        arch: &str,
+        card: Card,
+    ) -> Result<Option<Predictor>, crate::census::CensusError> {
         let mut probes = Vec::new();
-        for object in objects {
-            probes.extend(functions(&crate::census::disassemble(&tool, object)?));
+        for object in hipkv::kernels::probe_objects()
+            .iter()
+            .filter(|o| o.arch == arch)
+        {
+            probes.extend(functions(&crate::census::disassemble(tool, object)?));
         }
         Ok((!probes.is_empty()).then_some(Predictor { probes, card }))
     }
 
     pub fn card(&self) -> &Card {
         &self.card
+    }
+
+    /// [`rows`] of this arch's probes.
+    pub fn rows<'a>(&self, reports: &'a [MemoryReport]) -> Result<Vec<Row<'a>>, IssueError> {
+        rows(reports, &self.probes)
     }
 
     /// The fraction of peak bandwidth the model predicts for the kernel of `scheme`'s key and
@@ -559,7 +566,7 @@ impl Predictor {
         let pair: hipkv::Scheme =
             format!("k={},v={}", scheme.k.kernel_name(), scheme.v.kernel_name()).parse()?;
         let memory = hipkv::cost::memory_report(&pair, hipkv::cost::report_shape(head_dim))?;
-        let row = &rows(std::slice::from_ref(&memory), &self.probes)?[0];
+        let row = &self.rows(std::slice::from_ref(&memory))?[0];
         let block = match (scheme.int_query, row.int_query) {
             (true, Some(iq)) => iq,
             _ => row.block,

@@ -635,17 +635,20 @@ fn issue_model(reports: &[hipkv::cost::MemoryReport]) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    let mut probes = Vec::new();
-    for object in hipkv::kernels::probe_objects() {
-        probes.extend(issue::functions(&census::disassemble(&tool, object)?));
-    }
     let card = issue::RX_9070_XT;
+    let Some(predictor) = issue::Predictor::new(&tool, issue::MODEL_ARCH, card)? else {
+        println!(
+            "\nno issue model: this build has no {} probes (HIPKV_ARCHS)",
+            issue::MODEL_ARCH
+        );
+        return Ok(());
+    };
     println!(
         "\nissue: what one wave executes per token in the steady state of a long decode \
          (32-token blocks), counted in the disassembly of each kernel's probe, and the bound it \
          predicts on the {card}\n"
     );
-    print!("{}", issue::table(&issue::rows(reports, &probes)?, &card));
+    print!("{}", issue::table(&predictor.rows(reports)?, &card));
     println!(
         "\ninstr/tok, VALU/tok, SALU/tok, VMEM/tok, LDS/tok: instructions one wave executes per \
          token, all and by class (a wave reads each token for {} query rows); values VALU: of \
@@ -1017,7 +1020,10 @@ fn predictor(
     backend: Backend,
     gpu: Option<&hipkv::hip::Device>,
 ) -> Result<Option<issue::Predictor>, CliError> {
-    match (backend, gpu) {
+    let Ok(tool) = census::objdump() else {
+        return Ok(None);
+    };
+    let model = match (backend, gpu) {
         (Backend::Hip, Some(d)) => {
             let card = issue::Card {
                 name: "the GPU",
@@ -1026,11 +1032,12 @@ fn predictor(
                 clock_ghz: d.clock_khz as f64 / 1e6,
                 bandwidth_gbs: d.peak_bandwidth_gbs(),
             };
-            issue::Predictor::new(&d.arch, card)
+            issue::Predictor::new(&tool, &d.arch, card)
         }
-        (Backend::Emu, _) => issue::Predictor::new("gfx1201", issue::RX_9070_XT),
-        _ => Ok(None),
-    }
+        (Backend::Emu, _) => issue::Predictor::new(&tool, issue::MODEL_ARCH, issue::RX_9070_XT),
+        _ => return Ok(None),
+    };
+    Ok(model?)
 }
 
 /// Copies a buffer far larger than the caches with every core; the best of a few runs is the
