@@ -11,7 +11,8 @@
 // most ⌈q_len·gqa / tile rows⌉ times per chunk. Per wave:
 //   score:  lane i takes token i of a 32-token run and dots its key with all the wave's rows;
 //   softmax: online, base 2 (log2 e is folded into q by hipkv_attn_prep), f32 state per row;
-//   values: lane i owns head_dim/32 channels and accumulates every row over the run's tokens,
+//   values: lane i owns max(head_dim/32, 4) channels and accumulates every row over the run's
+//           tokens (at head_dim 64 over every other token: two per trip, HIPKV_VALUE_TOKENS),
 //           with the weights shared through LDS (the wave's own part; waves never wait for
 //           each other).
 // Per-token scales are applied once per token and group, not per element: q8/q8_0 keys scale the
@@ -102,13 +103,37 @@ struct RowState {
     float sum[kRows<D>];
 };
 
+// A lane's share of the value accumulation: kPerLane channels of every HIPKV_VALUE_TOKENS-th
+// token, the lanes of one part (`value_part`) taking consecutive channels of the same tokens.
 template <int D>
 struct Acc {
-    static constexpr int kPerLane = D / HIPKV_WAVE;
+    static constexpr uint32_t kTokens = HIPKV_VALUE_TOKENS(D);
+    static constexpr uint32_t kPartLanes = HIPKV_WAVE / kTokens;
+    static constexpr int kPerLane = D / kPartLanes;
     float v[kRows<D>][kPerLane];
     // Σ weight · minimum of the lane's channel group (per-token value formats).
     float min_sum[kRows<D>];
 };
+
+// Which of a value-loop trip's tokens the lane accumulates, and its first channel.
+template <int D>
+HIPKV_DEV uint32_t value_part() {
+    return lane_id() / Acc<D>::kPartLanes;
+}
+template <int D>
+HIPKV_DEV uint32_t value_channel0() {
+    return lane_id() % Acc<D>::kPartLanes * Acc<D>::kPerLane;
+}
+
+// Row r's output for the lane's channel value_channel0 + i: its accumulator and minimums,
+// summed over the parts (the lanes holding the same channels of the other tokens); part 0's
+// lanes hold the sum. Every lane of the wave must call it.
+template <int D>
+HIPKV_DEV float row_output(const Acc<D> &acc, int r, int i) {
+    float o = acc.v[r][i] + acc.min_sum[r];
+    for (uint32_t m = HIPKV_WAVE / 2; m >= Acc<D>::kPartLanes; m /= 2) o += shfl_xor(o, (int)m);
+    return o;
+}
 
 // Rows that have seen no position: max -inf, sums and accumulators 0.
 template <int D>
@@ -443,10 +468,13 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
                                  uint32_t n, const float (*w)[HIPKV_WAVE], uint32_t rows,
                                  uint32_t flags, Acc<D> &acc) {
     constexpr int kPer = Acc<D>::kPerLane;
-    const uint32_t c0 = lane_id() * kPer;
+    const uint32_t c0 = value_channel0<D>(), part = value_part<D>();
     HIPKV_ROLLED_TOKENS
-    for (uint32_t j = 0; j < n; ++j) {
-        const uint32_t t = t0 + j;
+    for (uint32_t trip = 0; trip < n; trip += Acc<D>::kTokens) {
+        // The lane's token is `j`. Past the run's end a lane reads the trip's first row again
+        // (rows past it may not exist), with the weight of `j`, which `attend_run` left 0.
+        const uint32_t j = trip + part;
+        const uint32_t t = t0 + (j < n ? j : trip);
         const uint8_t *row = v.rows + (size_t)t * v.row_bytes;
         float x[kPer];
         if constexpr (kParams<F> == ParamsAt::BlockScale)
@@ -803,9 +831,10 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
             p.partial_max[w.out + r] = bad ? kNegInf : st.max[r];
             p.partial_sum[w.out + r] = bad ? 0.0f : st.sum[r];
         }
-        for (int i = 0; i < Acc<D>::kPerLane; ++i)
-            p.partial_acc[(w.out + r) * D + lane * Acc<D>::kPerLane + i] =
-                acc.v[r][i] + acc.min_sum[r];
+        for (int i = 0; i < Acc<D>::kPerLane; ++i) {
+            const float o = row_output<D>(acc, r, i);
+            if (value_part<D>() == 0) p.partial_acc[(w.out + r) * D + value_channel0<D>() + i] = o;
+        }
     }
 }
 
@@ -984,8 +1013,10 @@ HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
                           0, HIPKV_WAVE, 0, w, st, acc, weights);
     for (int r = 0; r < kRows<D>; ++r) {
         if (lane_id() == 0) p.partial_max[r] = st.max[r] + st.sum[r];
-        for (int i = 0; i < Acc<D>::kPerLane; ++i)
-            p.partial_acc[r * D + lane_id() * Acc<D>::kPerLane + i] = acc.v[r][i] + acc.min_sum[r];
+        for (int i = 0; i < Acc<D>::kPerLane; ++i) {
+            const float o = row_output<D>(acc, r, i);
+            if (value_part<D>() == 0) p.partial_acc[r * D + value_channel0<D>() + i] = o;
+        }
     }
 }
 

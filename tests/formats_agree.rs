@@ -32,6 +32,7 @@ unsafe extern "C" {
     fn hipkv_ffi_codes8(format: i32, row: *const u8, c: u32, out: *mut f32);
     fn hipkv_ffi_chunk_codes8(format: i32, chunk: *const u8, j: i32, out: *mut f32);
     fn hipkv_ffi_rows(head_dim: u32) -> u32;
+    fn hipkv_ffi_value_tokens(head_dim: u32) -> u32;
     fn hipkv_ffi_hadamard(x: *mut f32, head_dim: u32);
     fn hipkv_ffi_hadamard_scale_f64(head_dim: u32) -> f64;
     fn hipkv_ffi_int_query_applies(format: i32) -> bool;
@@ -63,12 +64,18 @@ fn rotation_agrees_bit_for_bit() {
 }
 
 #[test]
-fn rows_per_workgroup_agree_with_the_header() {
+fn rows_and_value_tokens_per_wave_agree_with_the_header() {
     for d in [64, 128, 256] {
         // SAFETY: a pure function of its argument.
         assert_eq!(
             unsafe { hipkv_ffi_rows(d) },
             hipkv::abi::hipkv_rows(d),
+            "head_dim {d}"
+        );
+        // SAFETY: a pure function of its argument.
+        assert_eq!(
+            unsafe { hipkv_ffi_value_tokens(d) },
+            hipkv::abi::hipkv_value_tokens(d),
             "head_dim {d}"
         );
     }

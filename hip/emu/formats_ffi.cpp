@@ -64,6 +64,9 @@ extern "C" uint32_t hipkv_ffi_max_levels() { return HIPKV_MAX_LEVELS; }
 // HIPKV_ROWS(head_dim), for the Rust mirror's test.
 extern "C" uint32_t hipkv_ffi_rows(uint32_t head_dim) { return HIPKV_ROWS(head_dim); }
 
+// HIPKV_VALUE_TOKENS(head_dim), for the Rust mirror's test.
+extern "C" uint32_t hipkv_ffi_value_tokens(uint32_t head_dim) { return HIPKV_VALUE_TOKENS(head_dim); }
+
 // 1/√d in f64, with which queries and outputs are rotated.
 extern "C" double hipkv_ffi_hadamard_scale_f64(uint32_t d) { return hipkv::hadamard_scale_f64(d); }
 

@@ -33,6 +33,11 @@ enum hipkv_format {
 // head_dim; a GQA group of more heads takes several waves of one workgroup, which read the same
 // blocks at the same time, so a cached byte still comes from memory once per workgroup.
 #define HIPKV_ROWS(head_dim) 4
+// Tokens one trip of an attention wave's value loop accumulates: a lane takes 4 channels of a
+// token at least, so at head_dim 64 the wave takes two tokens per trip, 16 lanes each. A trip's
+// fixed costs (the row's address, its parameters, the weights from LDS) then buy each lane 4
+// channels' multiply-adds, not 2.
+#define HIPKV_VALUE_TOKENS(head_dim) ((head_dim) < 4 * HIPKV_WAVE ? 4 * HIPKV_WAVE / (head_dim) : 1)
 // Lanes of a wave (wave32 on gfx1201; a warp on CUDA).
 #define HIPKV_WAVE 32
 // Work-items per workgroup of every kernel but attention: one wave.

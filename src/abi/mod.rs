@@ -15,3 +15,15 @@ pub use generated::*;
 pub const fn hipkv_rows(_head_dim: u32) -> u32 {
     4
 }
+
+/// `HIPKV_VALUE_TOKENS(head_dim)`: tokens one trip of an attention wave's value loop
+/// accumulates (a lane takes at least 4 channels of a token). `tests/formats_agree.rs` checks it
+/// against the header.
+pub const fn hipkv_value_tokens(head_dim: u32) -> u32 {
+    let lanes = HIPKV_WAVE * 4;
+    if head_dim < lanes {
+        lanes / head_dim
+    } else {
+        1
+    }
+}

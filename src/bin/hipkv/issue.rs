@@ -282,14 +282,17 @@ impl Graph {
 /// What a wave executes for one block of [`BLOCK_TOKENS`] tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Block {
-    /// Every instruction executed: the probe's reachable ones, its loop's once per token.
+    /// Every instruction executed: the probe's reachable ones, its loop's once per trip.
     pub executed: Census,
-    /// One trip of the token loop: the values' accumulation of one token.
+    /// One trip of the token loop: the values' accumulation of `HIPKV_VALUE_TOKENS` tokens.
     pub token_loop: Census,
+    /// Tokens one trip accumulates.
+    pub trip_tokens: usize,
 }
 
-/// The probe's [`Block`], its one loop the token loop.
-pub fn block_census(probe: &Function) -> Result<Block, IssueError> {
+/// The probe's [`Block`], its one loop the token loop, whose trips take `trip_tokens` tokens each
+/// (`hipkv_value_tokens` of the probe's head_dim).
+pub fn block_census(probe: &Function, trip_tokens: usize) -> Result<Block, IssueError> {
     let graph = Graph::of(probe)?;
     let loops = graph.loops();
     let [(_, in_loop)] = loops.iter().collect::<Vec<_>>()[..] else {
@@ -298,7 +301,10 @@ pub fn block_census(probe: &Function) -> Result<Block, IssueError> {
             loops: loops.len(),
         });
     };
-    let mut block = Block::default();
+    let mut block = Block {
+        trip_tokens,
+        ..Block::default()
+    };
     for b in graph.reverse_postorder() {
         for x in &probe.instructions[graph.blocks[b].clone()] {
             // Outside the loop only branches on the exec mask (lanes skipping a region the
@@ -311,7 +317,9 @@ pub fn block_census(probe: &Function) -> Result<Block, IssueError> {
                 });
             }
             if in_loop[b] {
-                block.executed.count(&x.mnemonic, BLOCK_TOKENS);
+                block
+                    .executed
+                    .count(&x.mnemonic, BLOCK_TOKENS / trip_tokens);
                 block.token_loop.count(&x.mnemonic, 1);
             } else {
                 block.executed.count(&x.mnemonic, 1);
@@ -433,8 +441,11 @@ impl Row<'_> {
 /// objects' disassembly).
 fn rows<'a>(reports: &'a [MemoryReport], probes: &[Function]) -> Result<Vec<Row<'a>>, IssueError> {
     let by_name: BTreeMap<&str, &Function> = probes.iter().map(|f| (f.name.as_str(), f)).collect();
-    let census = |name: String| match by_name.get(name.as_str()) {
-        Some(probe) => block_census(probe),
+    let census = |name: String, head_dim: usize| match by_name.get(name.as_str()) {
+        Some(probe) => block_census(
+            probe,
+            hipkv::abi::hipkv_value_tokens(head_dim as u32) as usize,
+        ),
         None => Err(IssueError::NoProbe(name)),
     };
     reports
@@ -445,11 +456,12 @@ fn rows<'a>(reports: &'a [MemoryReport], probes: &[Function]) -> Result<Vec<Row<
                 .strip_prefix("hipkv_attn_")
                 .ok_or_else(|| IssueError::NoProbe(memory.kernel.clone()))?;
             let int_query = memory.scheme.int_query_applies();
+            let head_dim = memory.shape.head_dim;
             Ok(Row {
                 memory,
-                block: census(format!("hipkv_probe_{pair}"))?,
+                block: census(format!("hipkv_probe_{pair}"), head_dim)?,
                 int_query: match int_query {
-                    true => Some(census(format!("hipkv_probe_iq_{pair}"))?),
+                    true => Some(census(format!("hipkv_probe_iq_{pair}"), head_dim)?),
                     false => None,
                 },
             })
@@ -496,11 +508,11 @@ pub fn table(rows: &[Row], card: &Card) -> String {
     for r in rows {
         let c = &r.block.executed;
         out += &format!(
-            "{:width$}  {:>9.1}  {:>8.1}  {:>11}  {:>8.1}  {:>8.2}  {:>7.2}  {:>8.1}  {:>9.2}  {:>10}  {:>10}  {:>12}  {:>11}  {:>10}\n",
+            "{:width$}  {:>9.1}  {:>8.1}  {:>11.1}  {:>8.1}  {:>8.2}  {:>7.2}  {:>8.1}  {:>9.2}  {:>10}  {:>10}  {:>12}  {:>11}  {:>10}\n",
             r.memory.kernel,
             r.per_token(c.instructions),
             r.per_token(c.valu),
-            r.block.token_loop.valu,
+            r.block.token_loop.valu as f64 / r.block.trip_tokens as f64,
             r.per_token(c.salu),
             r.per_token(c.vmem_load),
             r.per_token(c.lds),
@@ -599,7 +611,7 @@ mod tests {
         let f = functions(PROBE);
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].name, "hipkv_probe_q8_q8_d64");
-        let block = block_census(&f[0]).unwrap();
+        let block = block_census(&f[0], 1).unwrap();
         let c = block.executed;
         let t = BLOCK_TOKENS;
         // s_load, v_mov, the loop (load, fma, branch) per token, execz, store, endpgm.
@@ -608,27 +620,31 @@ mod tests {
         assert_eq!((c.smem, c.salu), (1, t + 2));
         let one = block.token_loop;
         assert_eq!((one.instructions, one.vmem_load, one.fma), (3, 1, 1));
+        // Two tokens per trip: the loop runs half as often; a trip is the same.
+        let two = block_census(&f[0], 2).unwrap();
+        assert_eq!(two.executed.instructions, 2 + 3 * t / 2 + 3);
+        assert_eq!((two.token_loop, two.trip_tokens), (one, 2));
     }
 
     #[test]
     fn a_probe_of_another_shape_is_an_error() {
         let straight = PROBE.replace("65533 ", "0 ").replace("+0xc>", "+0x1c>");
         let f = functions(&straight);
-        let e = block_census(&f[0]).unwrap_err();
+        let e = block_census(&f[0], 1).unwrap_err();
         assert_eq!(
             e.to_string(),
             "hipkv_probe_q8_q8_d64: 0 loops where the issue model expects exactly one (the \
              token loop of the values)"
         );
         let uniform = PROBE.replace("s_cbranch_execz 1 ", "s_cbranch_vccz 1  ");
-        let e = block_census(&functions(&uniform)[0]).unwrap_err();
+        let e = block_census(&functions(&uniform)[0], 1).unwrap_err();
         assert!(
             e.to_string()
                 .starts_with("hipkv_probe_q8_q8_d64: a branch at 0x101c decides on a wave-uniform"),
             "{e}"
         );
         let nowhere = PROBE.replace("+0xc>", "+0xe>");
-        let e = block_census(&functions(&nowhere)[0]).unwrap_err();
+        let e = block_census(&functions(&nowhere)[0], 1).unwrap_err();
         assert!(
             e.to_string()
                 .ends_with("targets 0x100e, which no instruction starts at"),
