@@ -461,6 +461,25 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
     }
 }
 
+// The parameters of the value channels c0.. of token t of `v` (`element_params`) in the
+// value loop, where each trip reads them: a per-token group's f16 scale and minimum in one
+// 32-bit load (the section is 16-aligned, a pair 4 bytes), where `load_f16` reads a byte at a
+// time. 16-bit loads of the other formats' single f16 scale made the issue model's count no
+// better (the compiler paired fewer multiply-adds into dual issue), so they keep
+// `element_params`.
+template <int F, int D>
+HIPKV_DEV void value_params(const uint8_t *row, const StreamView &v, uint32_t t, uint32_t c0,
+                            float *scale, float *min) {
+    if constexpr (kParams<F> == ParamsAt::TokenGroups) {
+        const uint32_t shift = log2_pow2(v.group);
+        const uint32_t pair = load4(v.params + 4 * (t * (D >> shift) + (c0 >> shift)));
+        *scale = half_to_float((uint16_t)pair);
+        *min = half_to_float((uint16_t)(pair >> 16));
+    } else {
+        element_params<F>(row, v.params, t, c0, D, v.group, scale, min);
+    }
+}
+
 // Accumulates the values of the run's `n` tokens, weighted by `w[r][t]` (in LDS); `flags` as
 // `WaveRows::flags`.
 template <int F, int D>
@@ -483,7 +502,7 @@ HIPKV_DEV void accumulate_values(const hipkv_attn_params &p, const StreamView &v
             lane_codes<F, kPer>(row, c0, x);
         decode_levels<F, kPer>(flags, 1, x);
         float scale, min;
-        element_params<F>(row, v.params, t, c0, D, v.group, &scale, &min);
+        value_params<F, D>(row, v, t, c0, &scale, &min);
         if constexpr (format_is_chan(F)) {
             // Parameters per channel: dequantize each element.
             for (int i = 0; i < kPer; ++i) {
