@@ -190,7 +190,9 @@ struct UnsignedCodes {
 // Two's-complement int8 codes, |code| ≤ 127.
 struct Int8Codes {
     static constexpr float kMaxCode = 127.0f;
-    HIPKV_HD static float value(uint32_t code) { return (float)(int8_t)code; }
+    // Through int32: LLVM lowers a direct int8 -> float conversion for AMDGPU as two sign
+    // extensions (8 to 16, 16 to 32 bits) before the conversion, one instruction more per code.
+    HIPKV_HD static float value(uint32_t code) { return (float)(int32_t)(int8_t)code; }
     HIPKV_HD static void values4(uint32_t w, float out[4]) {
         for (int i = 0; i < 4; ++i) out[i] = value(w >> (8 * i));
     }
