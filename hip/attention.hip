@@ -135,6 +135,17 @@ HIPKV_DEV float row_output(const Acc<D> &acc, int r, int i) {
     return o;
 }
 
+// Writes row r's output as `out`'s row `out_row` (out_row·D onwards): every lane calls it,
+// part 0's lanes store. The index keeps the caller's type: widening the probe's int rows to
+// size_t changes the code the issue model counts.
+template <int D, typename Row>
+HIPKV_DEV void store_row_output(const Acc<D> &acc, int r, float *out, Row out_row) {
+    for (int i = 0; i < Acc<D>::kPerLane; ++i) {
+        const float o = row_output<D>(acc, r, i);
+        if (value_part<D>() == 0) out[out_row * D + value_channel0<D>() + i] = o;
+    }
+}
+
 // Rows that have seen no position: max -inf, sums and accumulators 0.
 template <int D>
 HIPKV_DEV void start_rows(RowState<D> &st, Acc<D> &acc) {
@@ -471,8 +482,7 @@ template <int F, int D>
 HIPKV_DEV void value_params(const uint8_t *row, const StreamView &v, uint32_t t, uint32_t c0,
                             float *scale, float *min) {
     if constexpr (kParams<F> == ParamsAt::TokenGroups) {
-        const uint32_t shift = log2_pow2(v.group);
-        const uint32_t pair = load4(v.params + 4 * (t * (D >> shift) + (c0 >> shift)));
+        const uint32_t pair = load4(token_group_params(v.params, t, c0, D, v.group));
         *scale = half_to_float((uint16_t)pair);
         *min = half_to_float((uint16_t)(pair >> 16));
     } else {
@@ -850,10 +860,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
             p.partial_max[w.out + r] = bad ? kNegInf : st.max[r];
             p.partial_sum[w.out + r] = bad ? 0.0f : st.sum[r];
         }
-        for (int i = 0; i < Acc<D>::kPerLane; ++i) {
-            const float o = row_output<D>(acc, r, i);
-            if (value_part<D>() == 0) p.partial_acc[(w.out + r) * D + value_channel0<D>() + i] = o;
-        }
+        store_row_output<D>(acc, r, p.partial_acc, w.out + r);
     }
 }
 
@@ -1032,10 +1039,7 @@ HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
                           0, HIPKV_WAVE, 0, w, st, acc, weights);
     for (int r = 0; r < kRows<D>; ++r) {
         if (lane_id() == 0) p.partial_max[r] = st.max[r] + st.sum[r];
-        for (int i = 0; i < Acc<D>::kPerLane; ++i) {
-            const float o = row_output<D>(acc, r, i);
-            if (value_part<D>() == 0) p.partial_acc[r * D + value_channel0<D>() + i] = o;
-        }
+        store_row_output<D>(acc, r, p.partial_acc, r);
     }
 }
 

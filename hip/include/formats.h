@@ -376,6 +376,14 @@ HIPKV_HD float q8_0_scale(const uint8_t *row, uint32_t c) {
     return load_f16(row + (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES);
 }
 
+// Where the f16 scale and minimum of channel c's group of token t lie in a per-token-groups
+// stream's parameter section `params` (4 bytes per group, the token's groups in a row).
+HIPKV_HD const uint8_t *token_group_params(const uint8_t *params, uint32_t t, uint32_t c,
+                                           uint32_t head_dim, uint32_t group) {
+    const uint32_t shift = log2_pow2(group);
+    return params + 4 * (t * (head_dim >> shift) + (c >> shift));
+}
+
 // Parameters of one element, `x = min + scale · code` (min = 0 for f16/q8/q8_0/fp8, scale = 1
 // for f16). `params` is the stream's parameter section of the page, `t` the token within the
 // page, `group` the channels per group of per-token formats.
@@ -390,8 +398,7 @@ HIPKV_HD void element_params(const uint8_t *row, const uint8_t *params, uint32_t
     } else if constexpr (at == ParamsAt::BlockScale) {
         *scale = q8_0_scale(row, c);
     } else if constexpr (at == ParamsAt::TokenGroups) {
-        const uint32_t shift = log2_pow2(group);
-        const uint8_t *p = params + 4 * (t * (head_dim >> shift) + (c >> shift));
+        const uint8_t *p = token_group_params(params, t, c, head_dim, group);
         *scale = load_f16(p);
         *min = load_f16(p + 2);
     } else if constexpr (at == ParamsAt::Channels) {
