@@ -72,11 +72,21 @@ thread_local! {
 }
 
 /// Runs `f`, tracing the global loads of every emulated kernel it launches on this thread, and
-/// returns its result with the launches' loads, in launch order.
+/// returns its result with the launches' loads, in launch order. Should `f` panic, the
+/// thread's tracing is as it was before the call (the loads `f` traced are dropped).
 pub fn trace_loads<R>(f: impl FnOnce() -> R) -> (R, Vec<KernelLoads>) {
-    let outer = TRACED.with(|t| t.replace(Some(Vec::new())));
+    /// Puts back the trace that was running before, however the call is left.
+    struct Restore(Option<Vec<KernelLoads>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let outer = self.0.take();
+            TRACED.with(|t| t.replace(outer));
+        }
+    }
+    let restore = Restore(TRACED.with(|t| t.replace(Some(Vec::new()))));
     let result = f();
-    let traced = TRACED.with(|t| t.replace(outer)).unwrap_or_default();
+    let traced = TRACED.with(|t| t.borrow_mut().take()).unwrap_or_default();
+    drop(restore);
     (result, traced)
 }
 
@@ -288,6 +298,26 @@ mod tests {
         // Launches outside `trace_loads` are not traced.
         assert!(trace_loads(|| ()).1.is_empty());
         run(0, 1).1.unwrap();
+    }
+
+    #[test]
+    fn a_panicking_trace_stops_tracing() {
+        let unwound = std::panic::catch_unwind(|| {
+            trace_loads(|| {
+                run(0, 1).1.unwrap();
+                panic!("the traced closure fails");
+            })
+        });
+        assert!(unwound.is_err());
+        assert!(TRACED.with(|t| t.borrow().is_none()));
+        // Nested traces: the outer one gets its own launches back after an inner one unwinds.
+        let (inner, outer) = trace_loads(|| {
+            let inner = std::panic::catch_unwind(|| trace_loads(|| panic!("inner")));
+            run(0, 1).1.unwrap();
+            inner
+        });
+        assert!(inner.is_err());
+        assert_eq!(outer.len(), 1);
     }
 
     #[test]
