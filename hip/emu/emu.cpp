@@ -101,6 +101,13 @@ namespace {
 
 constexpr uint32_t kWave = 32;
 constexpr size_t kStackBytes = 256 * 1024;
+// Each fiber's stack starts at its own offset below the top of its allocation. The stacks are
+// separate page-aligned allocations, so without this every fiber's hot frames would share the
+// same few L1 and L2 sets and evict one another at every switch. Work-item i starts
+// i * (4 KiB + 64 B) lower, modulo this span: a different 64-byte line and page for each.
+constexpr size_t kStackColourBytes = 128 * 1024;
+constexpr size_t kStackColourStep = 4096 + 64;
+constexpr size_t kStackAllocBytes = kStackColourBytes + kStackBytes;
 
 enum class State { Runnable, AtBarrier, AtLaneExchange, Done };
 
@@ -110,7 +117,9 @@ struct Fiber {
     State state = State::Runnable;
     // Where the work-item waits: the barrier's call site, to tell apart different barriers.
     const void *site = nullptr;
-    float exchange = 0.0f;
+    // The value published at a lane exchange, in the slot of the exchange's epoch parity: a lane
+    // can publish its next value while a slower partner has still to read this one.
+    float exchange[2] = {0.0f, 0.0f};
     // Lane exchanges and barriers passed: the lanes of a wave pass the same ones.
     uint32_t epoch = 0;
     char *stack = nullptr;
@@ -236,21 +245,34 @@ void record_load(const void *p, uint32_t bytes) {
 
 namespace {
 
-void yield_to_scheduler() {
+// Suspends the running work-item and resumes the next runnable one after it, or the scheduler
+// after the last: a round of the scheduler is one chain of direct switches, not a return to it
+// between work-items (each switch is a mispredicted return, the emulator's main cost).
+void suspend() {
     Fiber *f = sched->running;
+    Fiber *const end = sched->fibers.data() + sched->fibers.size();
+    for (Fiber *next = f + 1; next != end; ++next) {
+        if (next->state != State::Runnable) continue;
+        sched->running = next;
+        current_item = &next->item;
+        hipkv_emu_switch(&f->sp, next->sp);
+        return;
+    }
     hipkv_emu_switch(&f->sp, sched->scheduler_sp);
 }
 
 [[noreturn]] void fiber_main() {
     sched->entry(sched->params);
     sched->running->state = State::Done;
-    yield_to_scheduler();
+    suspend();
     abort();  // a finished fiber is never resumed
 }
 
-// A fresh context on `stack` that starts in fiber_main.
-void *initial_sp(char *stack) {
-    uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + kStackBytes) & ~uintptr_t(15);
+// A fresh context for work-item `item` on `stack` that starts in fiber_main.
+void *initial_sp(char *stack, uint32_t item) {
+    const size_t colour = (size_t)item * kStackColourStep % kStackColourBytes;
+    const uintptr_t end = reinterpret_cast<uintptr_t>(stack) + kStackAllocBytes;
+    uintptr_t top = (end - colour) & ~uintptr_t(15);
     void **sp = reinterpret_cast<void **>(top);
 #if defined(__x86_64__)
     *--sp = nullptr;                                         // fiber_main's return address slot
@@ -278,25 +300,27 @@ const char *state_name(State s) {
 std::string run_workgroup(Scheduler &s, Workgroup &group, std::vector<char *> &stacks) {
     const uint32_t n = group.block_dim.x * group.block_dim.y * group.block_dim.z;
     s.fibers.assign(n, Fiber{});
-    while (stacks.size() < n) stacks.push_back(static_cast<char *>(malloc(kStackBytes)));
+    while (stacks.size() < n) stacks.push_back(static_cast<char *>(malloc(kStackAllocBytes)));
     for (uint32_t i = 0; i < n; ++i) {
         Fiber &f = s.fibers[i];
         f.item.thread_idx = {i % group.block_dim.x, (i / group.block_dim.x) % group.block_dim.y,
                              i / (group.block_dim.x * group.block_dim.y)};
         f.stack = stacks[i];
-        f.sp = initial_sp(f.stack);
+        f.sp = initial_sp(f.stack, i);
 #ifdef HIPKV_EMU_VALGRIND
-        f.valgrind_id = VALGRIND_STACK_REGISTER(f.stack, f.stack + kStackBytes);
+        f.valgrind_id = VALGRIND_STACK_REGISTER(f.stack, f.stack + kStackAllocBytes);
 #endif
     }
     current_group = &group;
     std::string error;
     for (;;) {
+        // One round: the first runnable work-item runs, and each one it passes on to (above).
         for (Fiber &f : s.fibers) {
             if (f.state != State::Runnable) continue;
             s.running = &f;
             current_item = &f.item;
             hipkv_emu_switch(&s.scheduler_sp, f.sp);
+            break;
         }
         // Every work-item is now waiting or done: release what may go on.
         uint32_t done = 0, at_barrier = 0;
@@ -380,21 +404,21 @@ void barrier() {
     f->state = State::AtBarrier;
     f->site = __builtin_return_address(0);
     f->epoch += 1;
-    yield_to_scheduler();
+    suspend();
 }
 
 float shfl_xor(float x, int mask) {
     Fiber *f = sched->running;
     const uint32_t id = static_cast<uint32_t>(f - sched->fibers.data());
     const uint32_t partner = (id & ~(kWave - 1)) | ((id & (kWave - 1)) ^ (uint32_t)mask);
-    f->exchange = x;
     f->epoch += 1;
+    const uint32_t slot = f->epoch & 1;
+    f->exchange[slot] = x;
     f->state = State::AtLaneExchange;
-    yield_to_scheduler();  // every lane has published its value
-    const float y = sched->fibers[partner].exchange;
-    f->state = State::AtLaneExchange;
-    yield_to_scheduler();  // every lane has read before any publishes again
-    return y;
+    suspend();  // every lane has published its value
+    // The partner writes this slot again two epochs later at the earliest, and it cannot get
+    // there before this lane has reached the next exchange or barrier: this read comes first.
+    return sched->fibers[partner].exchange[slot];
 }
 
 Registrar::Registrar(const char *name, Entry entry, uint32_t params_size) {
