@@ -202,9 +202,13 @@ struct LoadTracer {
         RegionTrace &t = totals[w.region];
         t.counts.lane_loads += 1;
         t.counts.bytes += bytes;
-        for (uint64_t b = a; b < a + bytes; ++b) {
-            if (b == a || b % kLineBytes == 0) w.lines.push_back(b / kLineBytes);
-            t.touched[b / kLineBytes].set(b % kLineBytes);
+        // Each line the load spans, and its bytes in that line: one lookup per line, not byte.
+        for (uint64_t b = a, end = a + bytes; b < end;) {
+            const uint64_t line = b / kLineBytes;
+            const uint64_t line_end = std::min(end, (line + 1) * kLineBytes);
+            w.lines.push_back(line);
+            std::bitset<kLineBytes> &bits = t.touched[line];
+            for (; b < line_end; ++b) bits.set(b % kLineBytes);
         }
     }
 
