@@ -249,20 +249,31 @@ void record_load(const void *p, uint32_t bytes) {
 
 namespace {
 
+// The first runnable work-item from `from` on, or null.
+Fiber *first_runnable(Fiber *from) {
+    Fiber *const end = sched->fibers.data() + sched->fibers.size();
+    for (; from != end; ++from)
+        if (from->state == State::Runnable) return from;
+    return nullptr;
+}
+
+// Saves the current context in *save and runs work-item `f`.
+void resume(void **save, Fiber &f) {
+    sched->running = &f;
+    current_item = &f.item;
+    hipkv_emu_switch(save, f.sp);
+}
+
 // Suspends the running work-item and resumes the next runnable one after it, or the scheduler
 // after the last: a round of the scheduler is one chain of direct switches, not a return to it
 // between work-items (each switch is a mispredicted return, the emulator's main cost).
 void suspend() {
     Fiber *f = sched->running;
-    Fiber *const end = sched->fibers.data() + sched->fibers.size();
-    for (Fiber *next = f + 1; next != end; ++next) {
-        if (next->state != State::Runnable) continue;
-        sched->running = next;
-        current_item = &next->item;
-        hipkv_emu_switch(&f->sp, next->sp);
-        return;
+    if (Fiber *next = first_runnable(f + 1)) {
+        resume(&f->sp, *next);
+    } else {
+        hipkv_emu_switch(&f->sp, sched->scheduler_sp);
     }
-    hipkv_emu_switch(&f->sp, sched->scheduler_sp);
 }
 
 [[noreturn]] void fiber_main() {
@@ -319,13 +330,7 @@ std::string run_workgroup(Scheduler &s, Workgroup &group, std::vector<char *> &s
     std::string error;
     for (;;) {
         // One round: the first runnable work-item runs, and each one it passes on to (above).
-        for (Fiber &f : s.fibers) {
-            if (f.state != State::Runnable) continue;
-            s.running = &f;
-            current_item = &f.item;
-            hipkv_emu_switch(&s.scheduler_sp, f.sp);
-            break;
-        }
+        if (Fiber *first = first_runnable(s.fibers.data())) resume(&s.scheduler_sp, *first);
         // Every work-item is now waiting or done: release what may go on.
         uint32_t done = 0, at_barrier = 0;
         for (const Fiber &f : s.fibers) {
