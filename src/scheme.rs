@@ -386,6 +386,13 @@ pub const PRESETS: [&str; 8] = [
     "f16", "q8", "q8_0", "fp8", "q4_tok", "q2_tok", "kivi4", "kivi2",
 ];
 
+/// The frontier's winners, named (docs/accuracy.md, "The frontier"): at 4.5, 3.5 and 2.5 bits
+/// per element, the measured scheme of least KL on both evaluated models. All three store keys
+/// before RoPE, so a cache of them needs RoPE; `kv3` and `kv2` decode through codebooks, so
+/// each layer must be calibrated ([`crate::KvCache::calibrate`] or a calibration file) before
+/// its first append. Kept apart from [`PRESETS`], which need neither.
+pub const FRONTIER_PRESETS: [&str; 3] = ["kv4", "kv3", "kv2"];
+
 impl Scheme {
     /// Both streams in the same format, default options.
     pub const fn uniform(format: Format) -> Scheme {
@@ -415,10 +422,11 @@ impl Scheme {
     }
 
     fn preset(name: &str) -> Option<Scheme> {
-        let tok = |bits| Format::Tok {
+        let tok_in = |bits, channels| Format::Tok {
             bits,
-            group: ChannelGroup::Channels(32),
+            group: ChannelGroup::Channels(channels),
         };
+        let tok = |bits| tok_in(bits, 32);
         let chan = |bits| Format::Chan { bits };
         Some(match name {
             "f16" => Scheme::uniform(Format::F16),
@@ -429,8 +437,36 @@ impl Scheme {
             "q2_tok" => Scheme::uniform(tok(LowBits::Two)).with_sinks(),
             "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)).kivi(),
             "kivi2" => Scheme::new(chan(LowBits::Two), tok(LowBits::Two)).kivi(),
+            "kv4" => Scheme::new(chan(LowBits::Four), tok_in(LowBits::Four, 64))
+                .frontier(StreamSet::None),
+            "kv3" => Scheme::new(chan(LowBits::Four), tok_in(LowBits::Two, 64))
+                .frontier(StreamSet::Values),
+            "kv2" => {
+                Scheme::new(chan(LowBits::Two), tok_in(LowBits::Two, 64)).frontier(StreamSet::Both)
+            }
             _ => return None,
         })
+    }
+
+    /// Where both models' frontiers agree below 8 bits: KIVI's window and sinks, 64-token key
+    /// pages (64-channel value groups are the formats'), pre-RoPE keys, rotated values, and
+    /// codebooks for the 2-bit streams (`nuq`).
+    const fn frontier(mut self, nuq: StreamSet) -> Scheme {
+        self.group_tokens = 64;
+        self.pre_rope = true;
+        self.rotation = StreamSet::Values;
+        self.nuq = nuq;
+        self.kivi()
+    }
+
+    /// Whether `self` can be written as preset `p` plus options: the same formats, and every
+    /// option that has no spelling for "off" (`pre_rope`, `rot`, `nuq`) either off in `p` or
+    /// the same in both.
+    fn extends(&self, p: &Scheme) -> bool {
+        (self.k, self.v) == (p.k, p.v)
+            && (!p.pre_rope || self.pre_rope)
+            && (p.rotation == StreamSet::None || p.rotation == self.rotation)
+            && (p.nuq == StreamSet::None || p.nuq == self.nuq)
     }
 
     const fn with_sinks(mut self) -> Scheme {
@@ -641,10 +677,10 @@ impl Scheme {
 
 impl fmt::Display for Scheme {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The preset of these formats, whose options are the defaults not printed.
-        let preset = PRESETS.iter().find_map(|p| {
+        // The preset this scheme extends, whose options are the defaults not printed.
+        let preset = PRESETS.iter().chain(&FRONTIER_PRESETS).find_map(|p| {
             Scheme::preset(p)
-                .filter(|s| (s.k, s.v) == (self.k, self.v))
+                .filter(|s| self.extends(s))
                 .map(|s| (p, s))
         });
         let defaults = match preset {
@@ -657,7 +693,7 @@ impl fmt::Display for Scheme {
                 Scheme::new(self.k, self.v)
             }
         };
-        if self.group_tokens != 32 {
+        if self.group_tokens != defaults.group_tokens {
             write!(f, ",g={}", self.group_tokens)?;
         }
         if self.sinks != defaults.sinks {
@@ -666,7 +702,7 @@ impl fmt::Display for Scheme {
         if self.value_window != defaults.value_window {
             write!(f, ",rv={}", self.value_window)?;
         }
-        if self.pre_rope {
+        if self.pre_rope && !defaults.pre_rope {
             f.write_str(",pre_rope")?;
         }
         if let Some(o) = self.outliers {
@@ -682,8 +718,12 @@ impl fmt::Display for Scheme {
                 write!(f, ",outlier_slots={c}")?;
             }
         }
-        self.rotation.write(f, "rot")?;
-        self.nuq.write(f, "nuq")?;
+        if self.rotation != defaults.rotation {
+            self.rotation.write(f, "rot")?;
+        }
+        if self.nuq != defaults.nuq {
+            self.nuq.write(f, "nuq")?;
+        }
         if self.int_query {
             f.write_str(",iq")?;
         }
@@ -717,11 +757,9 @@ impl FromStr for Scheme {
             };
             match (key, val) {
                 (name, None) if i == 0 && Scheme::preset(name).is_some() => {
-                    let p = Scheme::preset(name).unwrap();
-                    k = Some(p.k);
-                    v = Some(p.v);
-                    scheme.sinks = p.sinks;
-                    scheme.value_window = p.value_window;
+                    scheme = Scheme::preset(name).unwrap();
+                    k = Some(scheme.k);
+                    v = Some(scheme.v);
                 }
                 ("k", Some(f)) => k = Some(f.parse()?),
                 ("v", Some(f)) => v = Some(f.parse()?),
@@ -752,8 +790,9 @@ impl FromStr for Scheme {
                 ("iq", None) => scheme.int_query = true,
                 _ => {
                     return Err(Error::ParseScheme(format!(
-                        "unknown item `{item}` in `{s}` (presets: {})",
-                        PRESETS.join(", ")
+                        "unknown item `{item}` in `{s}` (presets: {}, {})",
+                        PRESETS.join(", "),
+                        FRONTIER_PRESETS.join(", ")
                     )));
                 }
             }
@@ -909,9 +948,66 @@ mod tests {
 
     #[test]
     fn presets_round_trip_through_strings() {
-        for name in PRESETS {
+        for name in PRESETS.iter().chain(&FRONTIER_PRESETS) {
             let s: Scheme = name.parse().unwrap();
-            assert_eq!(s.to_string(), name);
+            assert_eq!(&s.to_string(), name);
+        }
+    }
+
+    #[test]
+    fn frontier_presets_are_the_frontier_winners() {
+        // docs/accuracy.md, "The frontier": the winners at 72, 56 and 40 bytes per token and
+        // KV head at head_dim 64, on SmolLM2 and on Gemma-3 alike.
+        for (name, explicit, bytes) in [
+            (
+                "kv4",
+                "k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v",
+                72.0,
+            ),
+            (
+                "kv3",
+                "k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq=v",
+                56.0,
+            ),
+            (
+                "kv2",
+                "k=q2_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq",
+                40.0,
+            ),
+        ] {
+            let s: Scheme = name.parse().unwrap();
+            assert_eq!(s, explicit.parse().unwrap(), "{name}");
+            assert_eq!(s.bytes_per_token(64), bytes, "{name}");
+            assert!(s.validate(64, true).is_ok(), "{name}");
+            assert!(s.validate(64, false).is_err(), "{name} needs RoPE");
+        }
+    }
+
+    #[test]
+    fn frontier_presets_print_what_differs_and_nothing_they_cannot_undo() {
+        for (text, printed) in [
+            ("kv4,g=32", "kv4,g=32"),
+            ("kv3,sinks=0,rv=0", "kv3,sinks=0,rv=0"),
+            ("kv2,outliers", "kv2,outliers"),
+            ("kv4,nuq", "kv4,nuq"),
+            // `rot` on keys too, or `nuq` widened: no longer the preset's, so written out.
+            (
+                "kv4,rot",
+                "k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,pre_rope,rot",
+            ),
+            (
+                "kv3,nuq",
+                "k=q4_chan,v=q2_tok@64,g=64,sinks=4,rv=128,pre_rope,rot=v,nuq",
+            ),
+            // Without pre-RoPE keys the formats are kv4's, but it is not kv4 plus options.
+            (
+                "k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,rot=v",
+                "k=q4_chan,v=q4_tok@64,g=64,sinks=4,rv=128,rot=v",
+            ),
+        ] {
+            let s: Scheme = text.parse().unwrap();
+            assert_eq!(s.to_string(), printed, "{text}");
+            assert_eq!(printed.parse::<Scheme>().unwrap(), s, "{text}");
         }
     }
 
@@ -931,7 +1027,7 @@ mod tests {
             "k=q4_chan,v=q4_tok@64,rv=128,rot=v",
             "k=q4_tok@64,v=q2_tok@64,g=64,rot=k",
             "kivi2,nuq",
-            "k=q4_chan,v=q2_tok@64,g=64,rv=128,pre_rope,rot=v,nuq=v",
+            "kv3,sinks=0",
             "k=q2_chan,v=q8,nuq=k",
         ] {
             let s: Scheme = text.parse().unwrap();

@@ -8,7 +8,7 @@ use common::{attend_as_reference, config, fill, naive_attend, rel_err, with_rope
 use hipkv::quant::{
     self, Codebook, dequantize_chan_row, dequantize_row, quantize_chan, quantize_row,
 };
-use hipkv::scheme::{HEAD_DIMS, PRESETS};
+use hipkv::scheme::{FRONTIER_PRESETS, HEAD_DIMS, PRESETS};
 use hipkv::synth::{Rng, keys_with_outlier_channels};
 use hipkv::{
     Backend, CacheConfig, Calibration, Error, Format, KvCache, LowBits, OutlierThresholds,
@@ -1044,7 +1044,8 @@ fn formats_doc_numbers_match_the_code() {
     let names = PRESETS
         .iter()
         .copied()
-        .chain(["kivi4,outliers", "kivi2,outliers", "kivi2,g=64"]);
+        .chain(["kivi4,outliers", "kivi2,outliers", "kivi2,g=64"])
+        .chain(FRONTIER_PRESETS);
     for name in names {
         let s: Scheme = name.parse().unwrap();
         let cell = |d: usize| {

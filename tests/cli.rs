@@ -27,6 +27,7 @@ fn info_lists_backends_and_every_preset() {
     for scheme in hipkv::scheme::PRESETS
         .iter()
         .chain(&["kivi2,outliers", "kivi2,pre_rope"])
+        .chain(&hipkv::scheme::FRONTIER_PRESETS)
     {
         let row = text
             .lines()
@@ -516,7 +517,7 @@ fn info_prints_what_fits_with_the_measured_kl() {
         "--chunk",
         "16",
         "--schemes",
-        "q8;kivi2",
+        "q8;kivi2;kv3",
         "--frontier",
         "--save",
         saved.to_str().unwrap(),
@@ -546,7 +547,7 @@ fn info_prints_what_fits_with_the_measured_kl() {
         "--context",
         "6144",
         "--schemes",
-        "q8;kivi2;q4_tok",
+        "q8;kivi2;kv3;q4_tok",
         "--eval",
         saved.to_str().unwrap(),
     ]);
@@ -567,7 +568,12 @@ fn info_prints_what_fits_with_the_measured_kl() {
     );
     assert_eq!(summary.sliding_window, None);
     let budget = (16u64 << 30) - weights - (1 << 30);
-    for (name, measured) in [("q8", true), ("kivi2", true), ("q4_tok", false)] {
+    for (name, measured) in [
+        ("q8", true),
+        ("kivi2", true),
+        ("kv3", true),
+        ("q4_tok", false),
+    ] {
         let line = text
             .lines()
             .find(|l| l.split_whitespace().next() == Some(name))

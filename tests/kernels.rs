@@ -149,6 +149,21 @@ fn codebooks_decode_in_every_loop() {
     }
 }
 
+/// The frontier presets, at every head_dim, with sequences long enough for quantized values
+/// before the value window (kv4: pre-RoPE keys, rotated values; kv3 and kv2 add codebooks).
+#[test]
+fn frontier_presets_at_every_head_dim() {
+    for (i, name) in hipkv::scheme::FRONTIER_PRESETS.iter().enumerate() {
+        for (j, d) in [64, 128, 256].into_iter().enumerate() {
+            check(
+                with_rope(config(name, 1, 4, d, 400), RopeLayout::Halves),
+                &[330, 64],
+                20 + 3 * i as u64 + j as u64,
+            );
+        }
+    }
+}
+
 #[test]
 fn long_contexts_use_many_splits() {
     check(config("kivi4", 2, 4, 64, 1100), &[1100, 700], 9);

@@ -746,7 +746,9 @@ pub fn parse_schemes(list: &str) -> crate::Result<Vec<Scheme>> {
     } else {
         let mut parts: Vec<String> = Vec::new();
         for item in list.split(',').map(str::trim) {
-            let starts = crate::scheme::PRESETS.contains(&item) || item.starts_with("k=");
+            let starts = crate::scheme::PRESETS.contains(&item)
+                || crate::scheme::FRONTIER_PRESETS.contains(&item)
+                || item.starts_with("k=");
             match parts.last_mut() {
                 Some(last) if !starts => {
                     last.push(',');
@@ -816,6 +818,9 @@ mod tests {
             names,
             ["f16", "q8", "kivi2,pre_rope", "kivi2,pre_rope,outliers"]
         );
+        let s = parse_schemes("kv4,kv3,sinks=0,kv2").unwrap();
+        let names: Vec<String> = s.iter().map(|s| s.to_string()).collect();
+        assert_eq!(names, ["kv4", "kv3,sinks=0", "kv2"]);
         let s = parse_schemes("k=q2_chan,v=q4_tok;q8").unwrap();
         assert_eq!(s.len(), 2);
         assert!(parse_schemes("f16,bogus").is_err());

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use hipkv::backend::HipStatus;
-use hipkv::scheme::PRESETS;
+use hipkv::scheme::{FRONTIER_PRESETS, PRESETS};
 use hipkv::synth::{Rng, TokenPool};
 use hipkv::{Backend, CacheConfig, Format, KvCache, Query, Rope, RopeLayout, Scheme, Stream};
 
@@ -211,7 +211,8 @@ struct InfoArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Schemes separated by `;` (a scheme may contain commas) [default: every preset]
+    /// Schemes separated by `;` (a scheme may contain commas) [default: every preset but the
+    /// frontier ones, kv4, kv3 and kv2]
     #[arg(long)]
     schemes: Option<String>,
     /// Context lengths in tokens [default: 1024,4096,16384,32768 on the CPU, up to 131072 on
@@ -320,6 +321,7 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         .iter()
         .map(|p| p.to_string())
         .chain(["kivi2,outliers".into(), "kivi2,pre_rope".into()])
+        .chain(FRONTIER_PRESETS.iter().map(|p| p.to_string()))
         .collect();
     let schemes = names
         .iter()
@@ -385,9 +387,15 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
 
     let f16_bytes = Scheme::uniform(Format::F16).bytes_per_token(d);
     let w = names.iter().map(String::len).max().unwrap_or(0).max(6);
+    let fw = schemes
+        .iter()
+        .flat_map(|s| [s.k.to_string().len(), s.v.to_string().len()])
+        .max()
+        .unwrap_or(0)
+        .max(8);
     println!("\nschemes at head_dim {d}: bytes per token per KV head, K and V together");
     println!(
-        "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11}  {:>9}  {:>7}  {:>7}",
+        "{:<w$}  {:<fw$}  {:<fw$}  {:>6}  {:>6}  {:>11}  {:>9}  {:>7}  {:>7}",
         "scheme", "K", "V", "K bits", "V bits", "bytes/token", "bits/elem", "vs f16", "f16/seq"
     );
     for s in &schemes {
@@ -396,7 +404,7 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         let m = s.memory(d, s.group_tokens);
         let f16_per_seq = m.sink_bytes + m.residual_bytes + m.window_bytes;
         println!(
-            "{:<w$}  {:<8}  {:<8}  {:>6}  {:>6}  {:>11.1}  {:>9.2}  {:>6.2}×  {:>7}",
+            "{:<w$}  {:<fw$}  {:<fw$}  {:>6}  {:>6}  {:>11.1}  {:>9.2}  {:>6.2}×  {:>7}",
             s.to_string(),
             s.k.to_string(),
             s.v.to_string(),
@@ -413,7 +421,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
         .find(|s| s.outliers.is_some())
         .map_or(0, |s| s.outlier_slots(Stream::K, d));
     println!(
-        "\nbytes/token counts codes, scales, minimums and outlier stores of full pages of 32 tokens.\n\
+        "\nbytes/token counts codes, scales, minimums and outlier stores of full pages (32 tokens; 64\n\
+         with g=64 and in kv*).\n\
          outliers: ~1% of key elements kept exact in a sparse store ({outlier_slots} slots per token).\n\
          pre_rope: keys stored before RoPE and rotated inside attention (the cache needs RoPE).\n\
          rot (rot=k, rot=v): rows stored Walsh–Hadamard rotated; no bytes, one rotation of the\n\
@@ -423,8 +432,11 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          iq: q8, q8_0 and q*_tok keys scored against the query rounded to int8 per 32 channels,\n\
          in integer dot products (v_dot4 on gfx1201); no bytes.\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
-         tokens in the sub-8-bit presets), the residual page of q*_chan keys (32 tokens) and the\n\
-         value window (rv=; kivi*: the last 128 tokens' values, in 128 + 32 rows)."
+         tokens in the sub-8-bit presets), the residual page of q*_chan keys (one page) and the\n\
+         value window (rv=; kivi*, kv*: the last 128 tokens' values, in 128 rows + one page).\n\
+         kv4, kv3, kv2: the least KL measured at 4.5, 3.5 and 2.5 bits per element on two models\n\
+         (docs/accuracy.md): kivi's sinks and value window, 64-token pages and 64-channel value\n\
+         groups, pre-RoPE keys, rotated values, and codebooks for 2-bit codes (calibrate first)."
     );
     Ok(())
 }
@@ -450,7 +462,11 @@ fn info_fits(args: &InfoArgs, path: &std::path::Path) -> Result<(), CliError> {
             .split(';')
             .map(|s| s.trim().parse())
             .collect::<Result<_, _>>()?,
-        None => Scheme::presets(),
+        None => PRESETS
+            .iter()
+            .chain(&FRONTIER_PRESETS)
+            .map(|p| p.parse())
+            .collect::<Result<_, _>>()?,
     };
     let kl = match &args.eval {
         Some(file) => measured_kl(file, shape)?,
