@@ -40,6 +40,9 @@ pub(crate) trait Kernel: Copy {
     /// `a * b + c`, fused where the CPU can.
     fn fmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// The lanes of `a` and `b` alternated: `(a0 b0 a1 b1 a2 b2 a3 b3, a4 b4 … a7 b7)`, which
+    /// puts rows decoded in a packed format's order back into channel order.
+    fn interleave(self, a: Self::V, b: Self::V) -> (Self::V, Self::V);
     /// Sum of the lanes of each of eight vectors, each as
     /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
     fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
@@ -232,6 +235,21 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
+    fn interleave(self, a: [f32; 8], b: [f32; 8]) -> ([f32; 8], [f32; 8]) {
+        let lane = |i: usize| {
+            if i.is_multiple_of(2) {
+                a[i / 2]
+            } else {
+                b[i / 2]
+            }
+        };
+        (
+            std::array::from_fn(lane),
+            std::array::from_fn(|i| lane(i + 8)),
+        )
+    }
+
+    #[inline(always)]
     fn hsum8(self, v: [[f32; 8]; 8]) -> [f32; 8] {
         v.map(|v| ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])))
     }
@@ -402,6 +420,20 @@ mod avx2 {
         fn mul(self, a: __m256, b: __m256) -> __m256 {
             // SAFETY: see the module note; register-only.
             unsafe { _mm256_mul_ps(a, b) }
+        }
+
+        #[inline(always)]
+        fn interleave(self, a: __m256, b: __m256) -> (__m256, __m256) {
+            // SAFETY: see the module note; register-only. The unpacks alternate within each
+            // 128-bit half (a0 b0 a1 b1 | a4 b4 a5 b5 and a2 b2 a3 b3 | a6 b6 a7 b7); the
+            // half permutes put the halves in order.
+            unsafe {
+                let (lo, hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+                (
+                    _mm256_permute2f128_ps(lo, hi, 0x20),
+                    _mm256_permute2f128_ps(lo, hi, 0x31),
+                )
+            }
         }
 
         #[inline(always)]
@@ -697,6 +729,11 @@ mod tests {
             }
             let (one, prod) = (k.splat(1.0), k.mul(va, vb));
             out.extend(k.hsum8([va, vb, prod, one, vb, prod, va, one]));
+            let (lo, hi) = k.interleave(va, vb);
+            for v in [lo, hi] {
+                k.store(v, &mut buf);
+                out.extend(buf);
+            }
             let mut e = vec![
                 -0.5f32,
                 -3.0,
@@ -755,6 +792,11 @@ mod tests {
         .map(|&c| 0.5 * c as f32 - 1.0)
         .collect();
         assert_eq!(&portable[64..96], &crumbs[..]);
+        // `a` and `b` alternated, after the eight lane sums.
+        let alternated: Vec<f32> = (0..8)
+            .flat_map(|i| [i as f32 * 0.25 - 1.0, (i % 3) as f32 + 0.5])
+            .collect();
+        assert_eq!(&portable[104..120], &alternated[..]);
         // fp8 codes, each its e4m3 value times 2^-8.
         let fp8: Vec<f32> = [0x10u8, 0xf2, 0x7e, 0x80, 0x01, 0xfe, 0x00, 0x5a]
             .iter()

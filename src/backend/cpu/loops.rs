@@ -699,17 +699,44 @@ pub(super) fn decode_block<K: Kernel, R: Rows>(
     d: usize,
     out: &mut [f32],
 ) {
+    // Positions are regrouped into channels in groups of 8 vectors at most: 16 positions for
+    // nibbles (even channels, then odd), 32 for crumbs (channels 4i, 4i + 1, 4i + 2, 4i + 3).
+    let group = match order {
+        Order::Natural => 8,
+        Order::Nibbles => 16,
+        Order::Crumbs => 32,
+    };
     assert!(out.len() >= n * d && d.is_multiple_of(R::CHUNK));
-    let mut row = vec![0f32; d];
-    for t in 0..n {
+    assert!(R::CHUNK.is_multiple_of(group));
+    let row = |t: usize, c0: usize, j: usize| {
+        // SAFETY: `t < n`, `c0` a multiple of `CHUNK`, and `j < CHUNK / 8`, so
+        // `c0 + 8j + 8 <= d`.
+        unsafe { rows.row8(k, t, c0, j) }
+    };
+    for (t, out) in out.chunks_exact_mut(d).take(n).enumerate() {
         for c0 in (0..d).step_by(R::CHUNK) {
-            for j in 0..R::CHUNK / 8 {
-                // SAFETY: `t < n`, `c0` a multiple of `CHUNK`, `c0 + 8j + 8 <= d`.
-                k.store(unsafe { rows.row8(k, t, c0, j) }, &mut row[c0 + 8 * j..]);
+            for j in (0..R::CHUNK / 8).step_by(group / 8) {
+                let at = c0 + 8 * j;
+                match order {
+                    Order::Natural => k.store(row(t, c0, j), &mut out[at..]),
+                    Order::Nibbles => {
+                        let (lo, hi) = k.interleave(row(t, c0, j), row(t, c0, j + 1));
+                        k.store(lo, &mut out[at..]);
+                        k.store(hi, &mut out[at + 8..]);
+                    }
+                    Order::Crumbs => {
+                        // Channels 4i and 4i + 2 alternated, then 4i + 1 and 4i + 3: the two
+                        // alternated again are the channels in order.
+                        let even = k.interleave(row(t, c0, j), row(t, c0, j + 2));
+                        let odd = k.interleave(row(t, c0, j + 1), row(t, c0, j + 3));
+                        let (a, b) = k.interleave(even.0, odd.0);
+                        let (c, e) = k.interleave(even.1, odd.1);
+                        for (i, v) in [a, b, c, e].into_iter().enumerate() {
+                            k.store(v, &mut out[at + 8 * i..]);
+                        }
+                    }
+                }
             }
-        }
-        for (p, &v) in row.iter().enumerate() {
-            out[t * d + order.channel(p)] = v;
         }
     }
 }
