@@ -393,6 +393,11 @@ pub const PRESETS: [&str; 8] = [
 /// its first append. Kept apart from [`PRESETS`], which need neither.
 pub const FRONTIER_PRESETS: [&str; 3] = ["kv4", "kv3", "kv2"];
 
+/// Every preset's name: [`PRESETS`], then [`FRONTIER_PRESETS`].
+pub fn preset_names() -> impl Iterator<Item = &'static str> {
+    PRESETS.iter().chain(&FRONTIER_PRESETS).copied()
+}
+
 impl Scheme {
     /// Both streams in the same format, default options.
     pub const fn uniform(format: Format) -> Scheme {
@@ -678,7 +683,7 @@ impl Scheme {
 impl fmt::Display for Scheme {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The preset this scheme extends, whose options are the defaults not printed.
-        let preset = PRESETS.iter().chain(&FRONTIER_PRESETS).find_map(|p| {
+        let preset = preset_names().find_map(|p| {
             Scheme::preset(p)
                 .filter(|s| self.extends(s))
                 .map(|s| (p, s))
@@ -790,9 +795,8 @@ impl FromStr for Scheme {
                 ("iq", None) => scheme.int_query = true,
                 _ => {
                     return Err(Error::ParseScheme(format!(
-                        "unknown item `{item}` in `{s}` (presets: {}, {})",
-                        PRESETS.join(", "),
-                        FRONTIER_PRESETS.join(", ")
+                        "unknown item `{item}` in `{s}` (presets: {})",
+                        preset_names().collect::<Vec<_>>().join(", ")
                     )));
                 }
             }
@@ -948,9 +952,9 @@ mod tests {
 
     #[test]
     fn presets_round_trip_through_strings() {
-        for name in PRESETS.iter().chain(&FRONTIER_PRESETS) {
+        for name in preset_names() {
             let s: Scheme = name.parse().unwrap();
-            assert_eq!(&s.to_string(), name);
+            assert_eq!(s.to_string(), name);
         }
     }
 

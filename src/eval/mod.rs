@@ -746,9 +746,7 @@ pub fn parse_schemes(list: &str) -> crate::Result<Vec<Scheme>> {
     } else {
         let mut parts: Vec<String> = Vec::new();
         for item in list.split(',').map(str::trim) {
-            let starts = crate::scheme::PRESETS.contains(&item)
-                || crate::scheme::FRONTIER_PRESETS.contains(&item)
-                || item.starts_with("k=");
+            let starts = crate::scheme::preset_names().any(|p| p == item) || item.starts_with("k=");
             match parts.last_mut() {
                 Some(last) if !starts => {
                     last.push(',');

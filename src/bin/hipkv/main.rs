@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use hipkv::backend::HipStatus;
-use hipkv::scheme::{FRONTIER_PRESETS, PRESETS};
+use hipkv::scheme::{FRONTIER_PRESETS, PRESETS, preset_names};
 use hipkv::synth::{Rng, TokenPool};
 use hipkv::{Backend, CacheConfig, Format, KvCache, Query, Rope, RopeLayout, Scheme, Stream};
 
@@ -462,11 +462,7 @@ fn info_fits(args: &InfoArgs, path: &std::path::Path) -> Result<(), CliError> {
             .split(';')
             .map(|s| s.trim().parse())
             .collect::<Result<_, _>>()?,
-        None => PRESETS
-            .iter()
-            .chain(&FRONTIER_PRESETS)
-            .map(|p| p.parse())
-            .collect::<Result<_, _>>()?,
+        None => preset_names().map(str::parse).collect::<Result<_, _>>()?,
     };
     let kl = match &args.eval {
         Some(file) => measured_kl(file, shape)?,
