@@ -383,3 +383,33 @@ fn gemma3_schemes_rank_and_calibrations_apply() {
         "kivi2 {kivi2:?} vs q2_tok {q2:?}"
     );
 }
+
+#[test]
+fn each_layer_alone_causes_a_share_of_the_schemes_kl() {
+    let Some((model, tok)) = model() else { return };
+    let ids = &tok.encode(eval::CORPUS).unwrap()[..128];
+    let layers = model.config().layers;
+    let q2 =
+        eval::layer_sensitivity(model, ids, "q2_tok".parse().unwrap(), 64, &mut |_| {}).unwrap();
+    assert_eq!(q2.layer_kl.len(), layers);
+    // Alone, every layer moves the distribution, by less than all of them together; the same
+    // scheme in every layer is what `evaluate` measures.
+    assert!(
+        q2.layer_kl.iter().all(|&kl| kl > 0.0 && kl < q2.mean_kl),
+        "{q2:?}"
+    );
+    let whole = eval::evaluate(
+        model,
+        ids,
+        &[q2.scheme.parse().unwrap()],
+        &[],
+        64,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(whole.schemes[0].mean_kl, q2.mean_kl);
+    // An f16 layer among f16 layers changes nothing.
+    let f16 = eval::layer_sensitivity(model, &ids[..32], "f16".parse().unwrap(), 32, &mut |_| {})
+        .unwrap();
+    assert!(f16.mean_kl == 0.0 && f16.layer_kl.iter().all(|&kl| kl == 0.0));
+}

@@ -167,20 +167,50 @@ impl CacheAttention {
         scheme: Scheme,
         capacity: usize,
     ) -> Result<CacheAttention, EvalError> {
-        let (ropes, route) = rope_groups(model);
-        let mut caches = ropes
+        Self::per_layer(model, &vec![scheme; model.layers], capacity)
+    }
+
+    /// Single-sequence caches for `capacity` tokens of `model`, layer `l` in `schemes[l]`. Only
+    /// [`layer_sensitivity`] mixes schemes: [`CacheAttention::scheme`] and the calibration
+    /// methods speak for the first layer's.
+    fn per_layer(
+        model: &ModelConfig,
+        schemes: &[Scheme],
+        capacity: usize,
+    ) -> Result<CacheAttention, EvalError> {
+        let (ropes, rope_route) = rope_groups(model);
+        // One cache per distinct (RoPE, scheme) pair.
+        let mut groups: Vec<(usize, Scheme)> = Vec::new();
+        let mut members: Vec<usize> = Vec::new();
+        let route: Vec<(usize, usize)> = rope_route
             .iter()
-            .enumerate()
-            .map(|(i, &rope)| {
+            .zip(schemes)
+            .map(|(&(rope, _), &scheme)| {
+                let g = match groups.iter().position(|&g| g == (rope, scheme)) {
+                    Some(g) => g,
+                    None => {
+                        groups.push((rope, scheme));
+                        members.push(0);
+                        groups.len() - 1
+                    }
+                };
+                members[g] += 1;
+                (g, members[g] - 1)
+            })
+            .collect();
+        let mut caches = groups
+            .iter()
+            .zip(&members)
+            .map(|(&(rope, scheme), &layers)| {
                 KvCache::new(CacheConfig {
-                    layers: route.iter().filter(|&&(cache, _)| cache == i).count(),
+                    layers,
                     sequences: 1,
                     kv_heads: model.kv_heads,
                     q_heads: model.q_heads,
                     head_dim: model.head_dim,
                     capacity,
                     scheme,
-                    rope: Some(rope),
+                    rope: Some(ropes[rope]),
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -531,6 +561,106 @@ pub fn evaluate(
     progress: &mut dyn FnMut(usize),
 ) -> Result<Report, EvalError> {
     let cfg = *model.config();
+    check_run(&cfg, tokens, chunk)?;
+    if schemes.is_empty() {
+        return Err(EvalError::NoSchemes);
+    }
+    let n = tokens.len();
+    let mut runs = schemes
+        .iter()
+        .map(|s| {
+            let mut run = CacheAttention::new(&cfg, *s, n)?;
+            if let Some(c) = calibrations.iter().find(|c| c.scheme == *s) {
+                run.apply_calibration(c)?;
+            }
+            Ok(run)
+        })
+        .collect::<Result<Vec<_>, EvalError>>()?;
+    let mut dyn_runs: Vec<&mut dyn Attention> =
+        runs.iter_mut().map(|r| r as &mut dyn Attention).collect();
+    let (baseline_nll, stats) = measure(model, tokens, chunk, &mut dyn_runs, progress)?;
+    let reports = runs
+        .iter()
+        .zip(&stats)
+        .map(|(run, stats)| scheme_report(&cfg, run, stats, baseline_nll))
+        .collect();
+    Ok(Report {
+        layers: cfg.layers,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
+        tokens: n,
+        scored: n - 1,
+        chunk,
+        baseline_nll,
+        baseline_perplexity: baseline_nll.exp(),
+        schemes: reports,
+    })
+}
+
+/// How much of a scheme's KL each layer causes: the scheme in every layer, then in one layer at a
+/// time with the others f16 ([`layer_sensitivity`]).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct LayerSensitivity {
+    pub scheme: String,
+    /// Mean KL with every layer in the scheme.
+    pub mean_kl: f64,
+    /// Per layer: mean KL with only that layer in the scheme.
+    pub layer_kl: Vec<f64>,
+}
+
+/// Runs `scheme` over `tokens` in all layers and then in each layer alone (every other layer
+/// f16): `layers + 1` runs beside the baseline. Where the layers' KLs sum to about the whole
+/// scheme's, they add, and a per-layer choice of precision can be planned from them.
+pub fn layer_sensitivity(
+    model: &Model,
+    tokens: &[u32],
+    scheme: Scheme,
+    chunk: usize,
+    progress: &mut dyn FnMut(usize),
+) -> Result<LayerSensitivity, EvalError> {
+    let cfg = *model.config();
+    check_run(&cfg, tokens, chunk)?;
+    let n = tokens.len();
+    let mut runs = vec![CacheAttention::new(&cfg, scheme, n)?];
+    for layer in 0..cfg.layers {
+        let schemes: Vec<Scheme> = (0..cfg.layers)
+            .map(|l| {
+                if l == layer {
+                    scheme
+                } else {
+                    baseline_scheme()
+                }
+            })
+            .collect();
+        runs.push(CacheAttention::per_layer(&cfg, &schemes, n)?);
+    }
+    let mut dyn_runs: Vec<&mut dyn Attention> =
+        runs.iter_mut().map(|r| r as &mut dyn Attention).collect();
+    let (_, stats) = measure(model, tokens, chunk, &mut dyn_runs, progress)?;
+    let kl = |s: &[TokenStats]| mean(s.iter().map(|s| s.kl));
+    Ok(LayerSensitivity {
+        scheme: scheme.to_string(),
+        mean_kl: kl(&stats[0]),
+        layer_kl: stats[1..].iter().map(|s| kl(s)).collect(),
+    })
+}
+
+/// Mean KL(P‖Q) over `tokens` of each of `runs` (any [`Attention`]: a cache to be measured
+/// that is not a [`Scheme`], such as a simulation of a format not built) against the f16
+/// cache, run as [`evaluate`] runs schemes.
+pub fn mean_kl_of(
+    model: &Model,
+    tokens: &[u32],
+    chunk: usize,
+    runs: &mut [&mut dyn Attention],
+) -> Result<Vec<f64>, EvalError> {
+    check_run(model.config(), tokens, chunk)?;
+    let (_, stats) = measure(model, tokens, chunk, runs, &mut |_| {})?;
+    Ok(stats.iter().map(|s| mean(s.iter().map(|s| s.kl))).collect())
+}
+
+/// The inputs [`evaluate`] and [`mean_kl_of`] refuse.
+fn check_run(cfg: &ModelConfig, tokens: &[u32], chunk: usize) -> Result<(), EvalError> {
     if chunk == 0 {
         return Err(EvalError::NotPositive { what: "chunk" });
     }
@@ -546,24 +676,24 @@ pub fn evaluate(
             context: cfg.context,
         });
     }
-    if schemes.is_empty() {
-        return Err(EvalError::NoSchemes);
-    }
+    Ok(())
+}
+
+/// Runs the f16 baseline and `runs` over `tokens` chunk by chunk; returns the baseline's mean
+/// NLL of the next tokens and each run's statistics per scored position.
+fn measure(
+    model: &Model,
+    tokens: &[u32],
+    chunk: usize,
+    runs: &mut [&mut dyn Attention],
+    progress: &mut dyn FnMut(usize),
+) -> Result<(f64, Vec<Vec<TokenStats>>), EvalError> {
+    let cfg = *model.config();
     let n = tokens.len();
     let scored = n - 1;
     let mut baseline = CacheAttention::new(&cfg, baseline_scheme(), n)?;
-    let mut runs = schemes
-        .iter()
-        .map(|s| {
-            let mut run = CacheAttention::new(&cfg, *s, n)?;
-            if let Some(c) = calibrations.iter().find(|c| c.scheme == *s) {
-                run.apply_calibration(c)?;
-            }
-            Ok(run)
-        })
-        .collect::<Result<Vec<_>, EvalError>>()?;
     let mut base_nll = Vec::with_capacity(scored);
-    let mut stats: Vec<Vec<TokenStats>> = vec![Vec::with_capacity(scored); schemes.len()];
+    let mut stats: Vec<Vec<TokenStats>> = vec![Vec::with_capacity(scored); runs.len()];
     let mut done = 0;
     for start in (0..n).step_by(chunk) {
         let end = (start + chunk).min(n);
@@ -582,7 +712,7 @@ pub fn evaluate(
                 .collect::<Vec<_>>(),
         );
         for (run, stats) in runs.iter_mut().zip(&mut stats) {
-            let q = model.forward(ids, run)?;
+            let q = model.forward(ids, *run)?;
             stats.extend(
                 p.par_chunks_exact(v)
                     .zip(q.par_chunks_exact(v))
@@ -594,23 +724,7 @@ pub fn evaluate(
             progress(done);
         }
     }
-    let baseline_nll = mean(base_nll.iter().copied());
-    let reports = runs
-        .iter()
-        .zip(&stats)
-        .map(|(run, stats)| scheme_report(&cfg, run, stats, baseline_nll))
-        .collect();
-    Ok(Report {
-        layers: cfg.layers,
-        kv_heads: cfg.kv_heads,
-        head_dim: cfg.head_dim,
-        tokens: n,
-        scored,
-        chunk,
-        baseline_nll,
-        baseline_perplexity: baseline_nll.exp(),
-        schemes: reports,
-    })
+    Ok((mean(base_nll.iter().copied()), stats))
 }
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {

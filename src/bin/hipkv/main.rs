@@ -132,6 +132,10 @@ struct EvalArgs {
     /// Write the PNG plots (KL against bytes per token, KL against depth) into this folder.
     #[arg(long)]
     plots: Option<PathBuf>,
+    /// Instead, run each scheme in one layer at a time (the others f16) and print how much KL
+    /// each layer causes, beside the scheme's in every layer (needs --schemes; a run per layer).
+    #[arg(long, requires = "schemes", conflicts_with_all = ["frontier", "iq", "plots", "save", "calibration"])]
+    per_layer: bool,
     /// Also run every scheme whose keys `iq` can score with integer-query dot products, right
     /// after it, and print how much KL that adds to the scheme's own.
     #[arg(long)]
@@ -1520,7 +1524,12 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
             schemes.len()
         );
     }
-    let total = tokens.len() * (schemes.len() + 1);
+    let runs = if args.per_layer {
+        schemes.len() * (cfg.layers + 2)
+    } else {
+        schemes.len() + 1
+    };
+    let total = tokens.len() * runs;
     let progress = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template(
             "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens, {tokens_per_sec}, ETA {eta}",
@@ -1534,6 +1543,34 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
         ),
     );
     let run_started = Instant::now();
+    if args.per_layer {
+        let mut done = 0;
+        let mut reports = Vec::new();
+        for &scheme in &schemes {
+            reports.push(eval::layer_sensitivity(
+                &model,
+                tokens,
+                scheme,
+                args.chunk,
+                &mut |d| progress.set_position((done + d) as u64),
+            )?);
+            done += tokens.len() * (cfg.layers + 2);
+        }
+        progress.finish_and_clear();
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&reports)?);
+        } else {
+            reports.iter().for_each(print_layer_sensitivity);
+            println!(
+                "\n{} tokens × {} runs in {:.1} s, {} threads",
+                tokens.len(),
+                runs,
+                run_started.elapsed().as_secs_f64(),
+                rayon::current_num_threads()
+            );
+        }
+        return Ok(());
+    }
     let calibrations = args
         .calibration
         .iter()
@@ -1655,6 +1692,28 @@ fn print_int_query(report: &hipkv::eval::Report, schemes: &[Scheme]) {
             } else {
                 "10% or more"
             }
+        );
+    }
+}
+
+/// Each layer's KL alone, largest first, with its share of their sum.
+fn print_layer_sensitivity(r: &hipkv::eval::LayerSensitivity) {
+    let sum: f64 = r.layer_kl.iter().sum();
+    println!(
+        "\n{}: mean KL {:.3e} in every layer; {:.3e} summed over the layers alone ({:+.0}%)",
+        r.scheme,
+        r.mean_kl,
+        sum,
+        100.0 * (sum / r.mean_kl - 1.0)
+    );
+    println!("{:>5}  {:>10}  {:>6}", "layer", "mean KL", "share");
+    let mut order: Vec<usize> = (0..r.layer_kl.len()).collect();
+    order.sort_by(|&a, &b| r.layer_kl[b].total_cmp(&r.layer_kl[a]));
+    for l in order {
+        println!(
+            "{l:>5}  {:>10.3e}  {:>5.1}%",
+            r.layer_kl[l],
+            100.0 * r.layer_kl[l] / sum
         );
     }
 }
