@@ -738,3 +738,60 @@ fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
     let text = String::from_utf8(eval("q8", false)).unwrap();
     assert!(text.contains("integer-query key scores"), "{text}");
 }
+
+/// `hipkv eval --per-layer`: a table of every layer's KL alone, largest first, and the same
+/// figures as JSON. Needs the eval model (`scripts/fetch-model.sh`).
+#[test]
+fn eval_per_layer_lists_every_layer_largest_first() {
+    let Some(model) = eval_model() else { return };
+    let model = model.to_str().unwrap();
+    let args = |json: bool| {
+        let mut a = vec![
+            "eval",
+            "--model",
+            model,
+            "--tokens",
+            "32",
+            "--chunk",
+            "16",
+            "--schemes",
+            "q2_tok",
+            "--per-layer",
+        ];
+        a.extend(json.then_some("--json"));
+        hipkv(&a)
+    };
+    let out = args(false);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("q2_tok: mean KL"), "{text}");
+    let rows: Vec<(usize, f64)> = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("layer"))
+        .skip(1)
+        .map_while(|l| {
+            let mut cols = l.split_whitespace();
+            Some((cols.next()?.parse().ok()?, cols.next()?.parse().ok()?))
+        })
+        .collect();
+    let mut layers: Vec<usize> = rows.iter().map(|r| r.0).collect();
+    layers.sort_unstable();
+    assert_eq!(layers, (0..30).collect::<Vec<_>>(), "{text}");
+    assert!(rows.windows(2).all(|w| w[0].1 >= w[1].1), "{text}");
+
+    let out = args(true);
+    assert!(out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let layer_kl = json[0]["layer_kl"].as_array().unwrap();
+    assert_eq!(layer_kl.len(), 30);
+    let largest = layer_kl
+        .iter()
+        .map(|k| k.as_f64().unwrap())
+        .fold(0.0, f64::max);
+    // The table prints KLs to 4 significant digits.
+    assert!(
+        (largest - rows[0].1).abs() <= 1e-3 * largest,
+        "{largest} vs {}",
+        rows[0].1
+    );
+}
