@@ -5,7 +5,8 @@
 //! error is its query weight times its quantization step squared, and both differ by orders of
 //! magnitude between channels. This measures, on the eval model, what a format that gives each
 //! channel its own code width (chosen per layer and KV head from calibration, the same total bits
-//! per row) would cost in KL, before anyone builds it.
+//! per row, or per token row of a layer with `--pool layer`) would cost in KL, before anyone
+//! builds it.
 //!
 //! The keys are quantized as `q*_chan` quantizes them (before RoPE, per channel over each full
 //! `g`-token page of absolute positions, the sinks and the open page left exact, the minimum and
@@ -14,8 +15,11 @@
 //! head is weighted by `w_c = E[(q_c² + q_c'²)/2] · E[r_c²]` over the first chunk: its query
 //! energy, averaged with its RoPE partner `c'` (RoPE turns a pre-RoPE channel into its pair by
 //! position), times its page range squared; then bits go one step at a time to the channel whose
-//! `w_c / (2^b − 1)²` drops most per bit, within `--widths`. The real `q*_chan` scheme runs beside
-//! it (at 2 and 4 bits), so the same run checks the simulation against the library's format.
+//! `w_c / (2^b − 1)²` drops most per bit, within `--widths`. A fractional `--bits` trades code
+//! bits against the parameters of another key page size (`--key-page`, or the `g` of `--values`)
+//! at the same bytes: 3.5 bits in 32-token pages cost what 4 bits in 64-token pages do. The real
+//! `q*_chan` scheme runs beside it (at 2 and 4 bits), so the same run checks the simulation
+//! against the library's format.
 //!
 //! ```sh
 //! scripts/fetch-model.sh
@@ -37,9 +41,20 @@ struct Args {
     /// Tokens of the bundled corpus to run.
     #[arg(long, default_value_t = 2048)]
     tokens: usize,
-    /// Mean code bits per key element.
-    #[arg(long, default_value_t = 4)]
-    bits: u32,
+    /// Mean code bits per key element: each pool of channels (`--pool`) shares
+    /// `round(bits × channels)` bits per token, so a fraction trades code bits against the
+    /// parameters of another `--key-page` at the same bytes.
+    #[arg(long, default_value_t = 4.0)]
+    bits: f64,
+    /// Which channels share one budget of bits, one run per pool and width set: each KV head's
+    /// (`head`: every head's rows the same bytes) or all of a layer's KV heads' (`layer`: a
+    /// token's row of the layer the same bytes, its heads' shares not).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "head")]
+    pool: Vec<Pool>,
+    /// Tokens per key page (the span of a channel's minimum and step); default the `g` of
+    /// `--values`. Only the simulated keys take it, so it may be a size no scheme has.
+    #[arg(long)]
+    key_page: Option<usize>,
     /// The scheme of everything but the keys' codes (its keys must be `f16`; its `g`, sinks and
     /// `pre_rope`-free options apply).
     #[arg(long, default_value = "k=f16,v=q4_tok@64,g=64,sinks=4,rv=128,rot=v")]
@@ -49,12 +64,21 @@ struct Args {
     widths: String,
 }
 
-/// Code widths per channel: the weights' greedy allocation of `bits × w.len()` bits, each
-/// channel's width one of `widths` (ascending; every channel starts at the first).
-fn allocate(w: &[f64], bits: u32, widths: &[u32]) -> Vec<u32> {
+/// Tokens per forward pass of the eval; appended and attended together.
+const CHUNK: usize = 512;
+
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Pool {
+    Head,
+    Layer,
+}
+
+/// Code widths per channel: the weights' greedy allocation of `total` bits, each channel's
+/// width one of `widths` (ascending; every channel starts at the first).
+fn allocate(w: &[f64], total: i64, widths: &[u32]) -> Vec<u32> {
     let distortion = |w: f64, b: u32| w / f64::from((1u32 << b) - 1).powi(2);
     let mut alloc = vec![widths[0]; w.len()];
-    let mut left = i64::from(bits) * w.len() as i64 - i64::from(widths[0]) * w.len() as i64;
+    let mut left = total - i64::from(widths[0]) * w.len() as i64;
     let wider = |b: u32| widths.iter().copied().find(|&x| x > b);
     loop {
         let step = (0..w.len())
@@ -124,7 +148,9 @@ fn quantize_pages(
 struct AllocatedKeys {
     inner: CacheAttention,
     cfg: ModelConfig,
-    bits: u32,
+    bits: f64,
+    pool: Pool,
+    page: usize,
     widths: Vec<u32>,
     /// Per layer: each KV head's channel widths, once calibrated.
     alloc: Vec<Option<Vec<u32>>>,
@@ -136,7 +162,7 @@ impl AllocatedKeys {
     /// `w_c` of every channel of every KV head, from one chunk's queries and keys.
     fn weights(&self, layer: usize, q: &[f32], k: &[f32]) -> Vec<f64> {
         let (kvh, qh, d) = (self.cfg.kv_heads, self.cfg.q_heads, self.cfg.head_dim);
-        let (g, sinks) = (self.inner.scheme().group_tokens, self.inner.scheme().sinks);
+        let (g, sinks) = (self.page, self.inner.scheme().sinks);
         let partner = |c: usize| match self.cfg.layer_rope(layer).layout {
             RopeLayout::Interleaved => c ^ 1,
             RopeLayout::Halves => (c + d / 2) % d,
@@ -184,9 +210,14 @@ impl Attention for AllocatedKeys {
         let d = self.cfg.head_dim;
         if self.alloc[layer].is_none() {
             let w = self.weights(layer, q, k);
+            let pool = match self.pool {
+                Pool::Head => d,
+                Pool::Layer => d * self.cfg.kv_heads,
+            };
+            let total = |channels: usize| (self.bits * channels as f64).round() as i64;
             let alloc = w
-                .chunks_exact(d)
-                .flat_map(|head| allocate(head, self.bits, &self.widths))
+                .chunks_exact(pool)
+                .flat_map(|p| allocate(p, total(p.len()), &self.widths))
                 .collect();
             self.alloc[layer] = Some(alloc);
         }
@@ -198,7 +229,7 @@ impl Attention for AllocatedKeys {
             self.len[layer],
             self.cfg.kv_heads,
             alloc,
-            s.group_tokens,
+            self.page,
             s.sinks,
         );
         self.len[layer] += k.len() / (self.cfg.kv_heads * d);
@@ -225,11 +256,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             || s.windows(2).any(|p| p[0] >= p[1])
             || s[0] == 0
             || s[s.len() - 1] > 16
-            || s[0] > args.bits
+            || f64::from(s[0]) > args.bits
+            || f64::from(s[s.len() - 1]) < args.bits
     }) {
-        return Err(
-            "--widths: each set ascending, within 1..=16, starting at most at --bits".into(),
-        );
+        return Err("--widths: each set ascending, within 1..=16, spanning --bits".into());
+    }
+    // A page that straddles two chunks would be quantized over the second chunk's rows only.
+    let page = args.key_page.unwrap_or(args.values.group_tokens);
+    if !CHUNK.is_multiple_of(page) {
+        return Err(format!("--key-page must divide the eval's {CHUNK}-token chunk").into());
     }
     let (model, tokenizer) = Model::load(&args.model)?;
     let cfg = *model.config();
@@ -243,11 +278,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     tokens.truncate(args.tokens);
 
-    let simulated = |widths: Vec<u32>| -> Result<AllocatedKeys, EvalError> {
+    let simulated = |widths: Vec<u32>, pool: Pool| -> Result<AllocatedKeys, EvalError> {
         Ok(AllocatedKeys {
             inner: CacheAttention::new(&cfg, args.values, args.tokens)?,
             cfg,
             bits: args.bits,
+            pool,
+            page,
             widths,
             alloc: vec![None; cfg.layers],
             len: vec![0; cfg.layers],
@@ -256,8 +293,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut names = Vec::new();
     let mut runs: Vec<Box<dyn Attention>> = Vec::new();
     let real = match args.bits {
-        2 => Some(LowBits::Two),
-        4 => Some(LowBits::Four),
+        2.0 => Some(LowBits::Two),
+        4.0 => Some(LowBits::Four),
         _ => None,
     };
     if let Some(real) = real {
@@ -269,23 +306,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         names.push(format!("{scheme} (the format)"));
         runs.push(Box::new(CacheAttention::new(&cfg, scheme, args.tokens)?));
     }
-    names.push(format!("uniform {} bits, simulated", args.bits));
-    runs.push(Box::new(simulated(vec![args.bits])?));
+    if args.bits.fract() == 0.0 {
+        names.push(format!("uniform {} bits, simulated", args.bits));
+        runs.push(Box::new(simulated(vec![args.bits as u32], Pool::Head)?));
+    }
     for set in sets {
-        names.push(format!(
-            "widths {{{}}}, simulated",
-            set.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-        ));
-        runs.push(Box::new(simulated(set)?));
+        for &pool in &args.pool {
+            names.push(format!(
+                "widths {{{}}} per {}, simulated",
+                set.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+                if pool == Pool::Head {
+                    "KV head"
+                } else {
+                    "layer"
+                }
+            ));
+            runs.push(Box::new(simulated(set.clone(), pool)?));
+        }
     }
     let mut refs: Vec<&mut dyn Attention> = runs
         .iter_mut()
         .map(|r| r.as_mut() as &mut dyn Attention)
         .collect();
-    let kls = eval::mean_kl_of(&model, &tokens, 512, &mut refs)?;
+    let kls = eval::mean_kl_of(&model, &tokens, CHUNK, &mut refs)?;
+    // Full-page bytes per token and KV head: the keys' codes and their f16 minimum and step
+    // per channel and page; the values' as the scheme stores them (its f16 keys taken out).
+    let d = cfg.head_dim as f64;
+    let key_bytes = args.bits * d / 8.0 + 4.0 * d / page as f64;
+    let value_bytes = args.values.bytes_per_token(cfg.head_dim) - 2.0 * d;
     println!(
-        "keys at {} bits per element on average, values: {}, {} tokens",
-        args.bits, args.values, args.tokens
+        "keys at {} bits per element on average in {page}-token pages, values: {}, {} tokens; \
+         {:.2} bytes per token and KV head ({key_bytes:.2} keys, {value_bytes:.2} values)",
+        args.bits,
+        args.values,
+        args.tokens,
+        key_bytes + value_bytes
     );
     for (name, kl) in names.iter().zip(kls) {
         println!("{kl:10.3e}  {name}");
@@ -300,16 +355,29 @@ mod tests {
     #[test]
     fn allocation_spends_every_bit_on_the_heaviest_channels() {
         let w = [1.0, 1e4, 1.0, 1e2];
-        let alloc = allocate(&w, 4, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        let alloc = allocate(&w, 16, &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(alloc.iter().sum::<u32>(), 16);
         assert!(alloc[1] >= alloc[3] && alloc[3] >= alloc[0] && alloc[0] == alloc[2]);
         assert!(alloc.iter().all(|&b| (1..=8).contains(&b)));
         // Equal weights keep the uniform width.
-        assert_eq!(allocate(&[3.0; 8], 4, &[1, 2, 4, 8]), vec![4; 8]);
+        assert_eq!(allocate(&[3.0; 8], 32, &[1, 2, 4, 8]), vec![4; 8]);
         // Only the given widths are used, and bits that no step fits are left unspent.
-        let banded = allocate(&w, 3, &[2, 4, 8]);
+        let banded = allocate(&w, 12, &[2, 4, 8]);
         assert!(banded.iter().all(|b| [2, 4, 8].contains(b)), "{banded:?}");
         assert!(banded.iter().sum::<u32>() <= 12);
+    }
+
+    #[test]
+    fn a_shared_pool_moves_bits_to_the_heavier_head_and_spends_a_fractional_budget() {
+        // Two heads of four channels, one far heavier, sharing 4 bits per channel on average.
+        let w = [1e3, 2e3, 1e3, 3e3, 1.0, 2.0, 1.0, 3.0];
+        let alloc = allocate(&w, 32, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(alloc.iter().sum::<u32>(), 32);
+        let heavy: u32 = alloc[..4].iter().sum();
+        assert!(heavy > 16, "{alloc:?}");
+        // 3.5 bits per channel over {3, 4}: half the channels each, the heaviest at 4.
+        let alloc = allocate(&[1.0, 5.0, 2.0, 4.0], 14, &[3, 4]);
+        assert_eq!(alloc, vec![3, 4, 3, 4]);
     }
 
     #[test]
