@@ -9,7 +9,7 @@
 //! builds it.
 //!
 //! The keys are quantized as `q*_chan` quantizes them (before RoPE, per channel over each full
-//! `g`-token page of absolute positions, the sinks and the open page left exact, the minimum and
+//! key page of absolute positions (`--key-page`), the sinks and the open page left exact, the minimum and
 //! step rounded to f16 as `quant::quantize_chan` rounds them), then stored in an f16 key stream
 //! beside the values of `--values`, which go through the real scheme. Each channel `c` of a KV
 //! head is weighted by `w_c = E[(q_c² + q_c'²)/2] · E[r_c²]` over the first chunk: its query
@@ -71,6 +71,30 @@ const CHUNK: usize = 512;
 enum Pool {
     Head,
     Layer,
+}
+
+impl Pool {
+    /// Channels that share one budget.
+    fn channels(self, cfg: &ModelConfig) -> usize {
+        match self {
+            Pool::Head => cfg.head_dim,
+            Pool::Layer => cfg.head_dim * cfg.kv_heads,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Pool::Head => "KV head",
+            Pool::Layer => "layer",
+        }
+    }
+}
+
+/// Full-page bytes per token of one KV head's keys at `bits` per element in `page`-token pages:
+/// the codes and, per channel and page, an f16 minimum and step (as `q*_chan` stores them).
+fn key_bytes_per_token(bits: f64, head_dim: usize, page: usize) -> f64 {
+    let d = head_dim as f64;
+    bits * d / 8.0 + 4.0 * d / page as f64
 }
 
 /// Code widths per channel: the weights' greedy allocation of `total` bits, each channel's
@@ -210,13 +234,9 @@ impl Attention for AllocatedKeys {
         let d = self.cfg.head_dim;
         if self.alloc[layer].is_none() {
             let w = self.weights(layer, q, k);
-            let pool = match self.pool {
-                Pool::Head => d,
-                Pool::Layer => d * self.cfg.kv_heads,
-            };
             let total = |channels: usize| (self.bits * channels as f64).round() as i64;
             let alloc = w
-                .chunks_exact(pool)
+                .chunks_exact(self.pool.channels(&self.cfg))
                 .flat_map(|p| allocate(p, total(p.len()), &self.widths))
                 .collect();
             self.alloc[layer] = Some(alloc);
@@ -315,11 +335,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             names.push(format!(
                 "widths {{{}}} per {}, simulated",
                 set.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
-                if pool == Pool::Head {
-                    "KV head"
-                } else {
-                    "layer"
-                }
+                pool.name()
             ));
             runs.push(Box::new(simulated(set.clone(), pool)?));
         }
@@ -329,11 +345,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|r| r.as_mut() as &mut dyn Attention)
         .collect();
     let kls = eval::mean_kl_of(&model, &tokens, CHUNK, &mut refs)?;
-    // Full-page bytes per token and KV head: the keys' codes and their f16 minimum and step
-    // per channel and page; the values' as the scheme stores them (its f16 keys taken out).
-    let d = cfg.head_dim as f64;
-    let key_bytes = args.bits * d / 8.0 + 4.0 * d / page as f64;
-    let value_bytes = args.values.bytes_per_token(cfg.head_dim) - 2.0 * d;
+    // Full-page bytes per token and KV head; the values' as the scheme stores them, its f16
+    // keys taken out.
+    let key_bytes = key_bytes_per_token(args.bits, cfg.head_dim, page);
+    let value_bytes = args.values.bytes_per_token(cfg.head_dim) - 2.0 * cfg.head_dim as f64;
     println!(
         "keys at {} bits per element on average in {page}-token pages, values: {}, {} tokens; \
          {:.2} bytes per token and KV head ({key_bytes:.2} keys, {value_bytes:.2} values)",
@@ -365,6 +380,26 @@ mod tests {
         let banded = allocate(&w, 12, &[2, 4, 8]);
         assert!(banded.iter().all(|b| [2, 4, 8].contains(b)), "{banded:?}");
         assert!(banded.iter().sum::<u32>() <= 12);
+    }
+
+    #[test]
+    fn simulated_key_bytes_are_what_the_chan_formats_store() {
+        for (bits, low) in [(2.0, LowBits::Two), (4.0, LowBits::Four)] {
+            for g in [32, 64] {
+                for d in [64, 128, 256] {
+                    let f16 = Scheme {
+                        group_tokens: g,
+                        ..Scheme::new(Format::F16, Format::F16)
+                    };
+                    let chan = Scheme {
+                        k: Format::Chan { bits: low },
+                        ..f16
+                    };
+                    let stored = chan.bytes_per_token(d) - f16.bytes_per_token(d) / 2.0;
+                    assert_eq!(key_bytes_per_token(bits, d, g), stored, "{chan} at d = {d}");
+                }
+            }
+        }
     }
 
     #[test]
