@@ -8,12 +8,16 @@
 //! - No GPU compiler: the crate builds with the CPU backend and the emulator, and says so;
 //!   `HIPKV_REQUIRE_HIP=1` makes that an error, as does a compiler that fails.
 //! - `DOCS_RS`: no device code at all.
+//! - Every object is kept in a cache (`ObjectCache`) keyed by its compiler and preprocessed
+//!   source, so a build with other features or environment compiles nothing it has compiled.
 
 use std::env;
 use std::fmt::Write as _;
 use std::fs;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use std::time::SystemTime;
 
 /// Kernel sources, compiled for the GPU and for the emulator.
 const KERNEL_SOURCES: &[&str] = &["hip/attention.hip", "hip/write.hip"];
@@ -46,6 +50,7 @@ const ENV_VARS: &[&str] = &[
     "HIP_PATH",
     "HIPKV_CLANG",
     "HIPKV_DEVLIB_DIR",
+    "HIPKV_OBJECT_CACHE",
     "PATH",
 ];
 
@@ -65,7 +70,8 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
 
-    build_emulator(&out);
+    let cache = ObjectCache::new(&out);
+    build_emulator(&out, &cache);
 
     let require = env::var("HIPKV_REQUIRE_HIP").as_deref() == Ok("1");
     let archs = archs();
@@ -73,7 +79,7 @@ fn main() -> ExitCode {
         Err(why) => Err(why),
         Ok(compiler) => archs
             .iter()
-            .map(|arch| compile_for(&compiler, arch, &out).map(|path| (arch.clone(), path)))
+            .map(|arch| compile_for(&compiler, arch, &out, &cache).map(|path| (arch.clone(), path)))
             .collect::<Result<Vec<_>, _>>(),
     };
     match built {
@@ -194,18 +200,34 @@ struct ArchObjects {
 
 /// Compiles every kernel source device-only for `arch`, one code object per source and head_dim,
 /// and the probes, one per head_dim.
-fn compile_for(compiler: &Compiler, arch: &str, out: &Path) -> Result<ArchObjects, String> {
+fn compile_for(
+    compiler: &Compiler,
+    arch: &str,
+    out: &Path,
+    cache: &ObjectCache,
+) -> Result<ArchObjects, String> {
+    let version = compiler_version(&compiler.program)?;
     let jobs: Vec<(&str, u32, bool)> = KERNEL_SOURCES
         .iter()
         .map(|src| (*src, false))
         .chain([(PROBE_SOURCE, true)])
         .flat_map(|(src, probe)| HEAD_DIMS.iter().map(move |&d| (src, d, probe)))
         .collect();
+    let version = &version;
     let built: Vec<PathBuf> = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
             .iter()
             .map(|&(src, d, probe)| {
-                scope.spawn(move || compile_one(compiler, arch, src, d, probe, out))
+                scope.spawn(move || {
+                    let job = GpuJob {
+                        compiler,
+                        arch,
+                        src,
+                        head_dim: d,
+                        probe,
+                    };
+                    job.compile(version, out, cache)
+                })
             })
             .collect();
         handles
@@ -226,35 +248,194 @@ fn compile_for(compiler: &Compiler, arch: &str, out: &Path) -> Result<ArchObject
     Ok(objects)
 }
 
-fn compile_one(
-    compiler: &Compiler,
-    arch: &str,
-    src: &str,
+/// One device-only compile: a kernel source (or its probes) for one head_dim and arch.
+struct GpuJob<'a> {
+    compiler: &'a Compiler,
+    arch: &'a str,
+    src: &'a str,
     head_dim: u32,
     probe: bool,
-    out: &Path,
-) -> Result<PathBuf, String> {
-    let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
-    let kind = if probe { "_probe" } else { "" };
-    let obj = out.join(format!("{stem}{kind}.d{head_dim}.{arch}.hsaco"));
-    let output = Command::new(&compiler.program)
-        .args(["-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output"])
-        .arg(format!("--offload-arch={arch}"))
-        .arg(format!("-DHIPKV_HEAD_DIM={head_dim}"))
-        .args(probe.then_some("-DHIPKV_PROBE"))
-        .args(["-O3", "-std=c++17", "-Ihip/include", "-c", src, "-o"])
-        .arg(&obj)
-        .args(&compiler.args)
+}
+
+impl GpuJob<'_> {
+    /// The compiler's command line, less its output: `-c` compiles, `-E` preprocesses.
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.compiler.program);
+        cmd.args(["-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output"])
+            .arg(format!("--offload-arch={}", self.arch))
+            .arg(format!("-DHIPKV_HEAD_DIM={}", self.head_dim))
+            .args(self.probe.then_some("-DHIPKV_PROBE"))
+            .args(["-O3", "-std=c++17", "-Ihip/include", self.src])
+            .args(&self.compiler.args);
+        cmd
+    }
+
+    fn compile(&self, version: &str, out: &Path, cache: &ObjectCache) -> Result<PathBuf, String> {
+        let stem = Path::new(self.src).file_stem().unwrap().to_string_lossy();
+        let kind = if self.probe { "_probe" } else { "" };
+        let obj = out.join(format!(
+            "{stem}{kind}.d{}.{}.hsaco",
+            self.head_dim, self.arch
+        ));
+        let what = format!("{} (head_dim {}, {})", self.src, self.head_dim, self.arch);
+        let mut preprocess = self.command();
+        preprocess.args(["-E", "-o", "-"]);
+        let mut key = CacheKey::new(&preprocess, version);
+        key.add(&run(&mut preprocess, &what)?);
+        // The device libraries are linked into the code object.
+        if let Ok(dir) = env::var("HIPKV_DEVLIB_DIR") {
+            key.add_tree(Path::new(&dir));
+        }
+        cache.get_or_compile(key.finish(), &obj, || {
+            let mut compile = self.command();
+            compile.arg("-c").arg("-o").arg(&obj);
+            run(&mut compile, &what).map(drop)
+        })?;
+        Ok(obj)
+    }
+}
+
+/// Runs `cmd`, returning its standard output, or its standard error as the error.
+fn run(cmd: &mut Command, what: &str) -> Result<Vec<u8>, String> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let output = cmd
         .output()
-        .map_err(|e| format!("cannot run {}: {e}", compiler.program.display()))?;
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
     if !output.status.success() {
         return Err(format!(
-            "{} failed for {src} (head_dim {head_dim}, {arch}):\n{}",
-            compiler.program.display(),
+            "{program} failed for {what}:\n{}",
             String::from_utf8_lossy(&output.stderr)
         ));
     }
-    Ok(obj)
+    Ok(output.stdout)
+}
+
+/// What `program --version` prints: with the preprocessed source and the command line, all a
+/// compiler's output depends on.
+fn compiler_version(program: &Path) -> Result<String, String> {
+    let stdout = run(Command::new(program).arg("--version"), "--version")?;
+    Ok(String::from_utf8_lossy(&stdout).into_owned())
+}
+
+/// Objects compiled by earlier runs of this script. A build with other features
+/// (`--no-default-features`, `peer-llamacpp`) or another watched variable runs the script again
+/// in a new `OUT_DIR`, and compiling every kernel again takes minutes; an object whose compiler,
+/// command line and preprocessed source are unchanged is copied from here instead.
+/// `HIPKV_OBJECT_CACHE` names the directory, `off` turns it off; by default it is
+/// `hipkv-object-cache` in the profile's target directory, so `cargo clean` empties it.
+struct ObjectCache {
+    dir: Option<PathBuf>,
+}
+
+/// Entries kept per object name: old ones are from sources since edited.
+const CACHE_ENTRIES_PER_OBJECT: usize = 4;
+
+impl ObjectCache {
+    fn new(out: &Path) -> Self {
+        let dir = match env::var_os("HIPKV_OBJECT_CACHE") {
+            Some(v) if v == "off" => None,
+            Some(v) => Some(PathBuf::from(v)),
+            // OUT_DIR is <target>/<profile>/build/<package>-<hash>/out.
+            None => out.ancestors().nth(3).map(|p| p.join("hipkv-object-cache")),
+        };
+        ObjectCache { dir }
+    }
+
+    /// Fills `obj` from the cache entry for `key`, or with `compile` and then stores it. The cache
+    /// only saves time: an entry it cannot read or write is compiled, with a warning.
+    fn get_or_compile(
+        &self,
+        key: u64,
+        obj: &Path,
+        compile: impl FnOnce() -> Result<(), String>,
+    ) -> Result<(), String> {
+        let name = obj.file_name().unwrap().to_string_lossy();
+        let Some(dir) = &self.dir else {
+            return compile();
+        };
+        let entry = dir.join(format!("{key:016x}-{name}"));
+        if fs::copy(&entry, obj).is_ok() {
+            // Recently used entries are the ones pruning keeps.
+            let _ = fs::File::options()
+                .append(true)
+                .open(&entry)
+                .and_then(|f| f.set_modified(SystemTime::now()));
+            println!("hipkv: {name} from the object cache ({})", entry.display());
+            return Ok(());
+        }
+        compile()?;
+        if let Err(e) = store(dir, &entry, obj) {
+            println!("cargo:warning=hipkv: object cache {}: {e}", dir.display());
+        }
+        prune(dir, &name);
+        Ok(())
+    }
+}
+
+/// Copies `obj` to `entry` through a temporary file, so a reader never sees half an entry.
+fn store(dir: &Path, entry: &Path, obj: &Path) -> std::io::Result<()> {
+    fs::create_dir_all(dir)?;
+    let partial = entry.with_extension(format!("partial{}", std::process::id()));
+    fs::copy(obj, &partial)?;
+    fs::rename(&partial, entry)
+}
+
+/// Removes all but the newest `CACHE_ENTRIES_PER_OBJECT` entries for the object `name`.
+fn prune(dir: &Path, name: &str) {
+    let Ok(read) = fs::read_dir(dir) else { return };
+    let suffix = format!("-{name}");
+    let mut entries: Vec<(SystemTime, PathBuf)> = read
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(&suffix))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (_, path) in entries.into_iter().skip(CACHE_ENTRIES_PER_OBJECT) {
+        let _ = fs::remove_file(path);
+    }
+}
+
+/// An `ObjectCache` key: the compiler's version, its command line and what else goes into the
+/// object (the preprocessed source, the device libraries).
+struct CacheKey(DefaultHasher);
+
+impl CacheKey {
+    fn new(cmd: &Command, version: &str) -> Self {
+        let mut h = DefaultHasher::new();
+        cmd.get_program().hash(&mut h);
+        cmd.get_args().for_each(|a| a.hash(&mut h));
+        let mut envs: Vec<_> = cmd.get_envs().collect();
+        envs.sort();
+        envs.hash(&mut h);
+        version.hash(&mut h);
+        CacheKey(h)
+    }
+
+    fn add(&mut self, bytes: &[u8]) {
+        bytes.hash(&mut self.0);
+    }
+
+    /// Every file under `dir` by path, size and modification time.
+    fn add_tree(&mut self, dir: &Path) {
+        let mut files = Vec::new();
+        let mut pending = vec![dir.to_path_buf()];
+        while let Some(d) = pending.pop() {
+            for entry in fs::read_dir(&d).into_iter().flatten().flatten() {
+                let Ok(meta) = entry.metadata() else { continue };
+                if meta.is_dir() {
+                    pending.push(entry.path());
+                } else {
+                    files.push((entry.path(), meta.len(), meta.modified().ok()));
+                }
+            }
+        }
+        files.sort();
+        files.hash(&mut self.0);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0.finish()
+    }
 }
 
 /// Writes `code_objects.rs`: the embedded code objects and probes and, when there are none, why.
@@ -295,7 +476,7 @@ fn write_list<'a>(
 /// As for the GPU, each kernel source is compiled once per head_dim (`HIPKV_HEAD_DIM`), the
 /// units concurrently: one compiler run over every instance of `attention.hip` takes most of
 /// a minute.
-fn build_emulator(out: &Path) {
+fn build_emulator(out: &Path, cache: &ObjectCache) {
     let mut base = cc::Build::new();
     base.cpp(true)
         .std("c++17")
@@ -307,28 +488,35 @@ fn build_emulator(out: &Path) {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-fno-exceptions")
         .cargo_metadata(false);
-    let mut units: Vec<(String, Vec<PathBuf>)> = vec![(
-        "emu".into(),
-        EMU_SOURCES.iter().map(PathBuf::from).collect(),
-    )];
-    let root = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
+    // One unit per object, each named for itself: an archive keeps one member per object name,
+    // and every head_dim of a kernel source would otherwise be an `attention.o`.
+    let mut units: Vec<(String, cc::Build)> = EMU_SOURCES
+        .iter()
+        .map(|src| {
+            let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
+            let mut build = base.clone();
+            build.file(src);
+            (stem.into_owned(), build)
+        })
+        .collect();
+    let runtime_units = units.len();
     for src in KERNEL_SOURCES {
         let stem = Path::new(src).file_stem().unwrap().to_string_lossy();
         for d in HEAD_DIMS {
-            // A file of the unit's own name: archives keep one member per object name, and the
-            // static library would otherwise hold one head_dim of each source.
             let name = format!("{stem}_d{d}");
-            let wrapper = out.join(format!("{name}.cpp"));
-            let text = format!(
-                "#define HIPKV_HEAD_DIM {d}\n#define HIPKV_EMU_UNIT {name}\n#include \"{}\"\n",
-                root.join(src).display()
-            );
-            fs::write(&wrapper, text).expect("write an emulator unit");
-            units.push((name, vec![wrapper]));
+            let mut build = base.clone();
+            // `.hip` is no C++ extension the host compiler knows.
+            build
+                .flag("-x")
+                .flag("c++")
+                .define("HIPKV_HEAD_DIM", d.to_string().as_str())
+                .define("HIPKV_EMU_UNIT", name.as_str())
+                .file(src);
+            units.push((name, build));
         }
     }
     // Every kernel unit's anchor (emu.h), for the Rust side to refer to.
-    let anchors: Vec<String> = units[1..]
+    let anchors: Vec<String> = units[runtime_units..]
         .iter()
         .map(|(name, ..)| format!("hipkv_emu_unit_{name}"))
         .collect();
@@ -342,20 +530,23 @@ fn build_emulator(out: &Path) {
     }
     rs.push_str("];\n");
     fs::write(out.join("emu_units.rs"), rs).expect("write emu_units.rs");
+    let emu_dir = out.join("emu");
+    fs::create_dir_all(&emu_dir).expect("create the emulator's object directory");
     let objects: Vec<PathBuf> = std::thread::scope(|scope| {
         let handles: Vec<_> = units
-            .iter()
-            .map(|(name, sources)| {
-                let mut build = base.clone();
-                build.out_dir(out.join("emu").join(name)).files(sources);
-                scope.spawn(move || build.compile_intermediates())
+            .iter_mut()
+            .map(|(name, build)| {
+                let obj = emu_dir.join(format!("{name}.o"));
+                build.out_dir(emu_dir.join(&*name));
+                scope.spawn(move || compile_emu_unit(build, obj, cache))
             })
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().expect("emulator compile thread"))
-            .collect()
-    });
+            .map(|h| h.join().expect("emulator compile thread"))
+            .collect::<Result<_, _>>()
+    })
+    .unwrap_or_else(|why| panic!("the emulator did not build: {why}"));
     // Kernels register themselves with the emulator from static initializers and nothing else
     // refers to them, so the whole archive is linked, not just the objects Rust calls into.
     base.objects(objects).compile("hipkv_emu");
@@ -363,4 +554,28 @@ fn build_emulator(out: &Path) {
     println!("cargo:rustc-link-lib=static:+whole-archive=hipkv_emu");
     println!("cargo:rustc-link-lib=dylib=stdc++");
     println!("cargo:rustc-cfg=hipkv_emu");
+}
+
+/// Compiles one emulator unit (one source) to `obj`, through the cache.
+fn compile_emu_unit(
+    build: &cc::Build,
+    obj: PathBuf,
+    cache: &ObjectCache,
+) -> Result<PathBuf, String> {
+    let tool = build.try_get_compiler().map_err(|e| e.to_string())?;
+    let version = compiler_version(tool.path())?;
+    let mut key = CacheKey::new(&tool.to_command(), &version);
+    key.add(&build.try_expand().map_err(|e| e.to_string())?);
+    cache.get_or_compile(key.finish(), &obj, || {
+        let compiled = build
+            .try_compile_intermediates()
+            .map_err(|e| e.to_string())?;
+        let [single] = compiled.as_slice() else {
+            return Err(format!("one object expected, got {compiled:?}"));
+        };
+        fs::copy(single, &obj)
+            .map(drop)
+            .map_err(|e| format!("copy {}: {e}", single.display()))
+    })?;
+    Ok(obj)
 }
