@@ -9,7 +9,7 @@
 //!   `HIPKV_REQUIRE_HIP=1` makes that an error, as does a compiler that fails.
 //! - `DOCS_RS`: no device code at all.
 //! - Every object is kept in a cache (`ObjectCache`) keyed by its compiler and preprocessed
-//!   source, so a build with other features or environment compiles nothing it has compiled.
+//!   source; a build with other features copies an object whose key it finds there.
 
 use std::env;
 use std::fmt::Write as _;
