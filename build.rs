@@ -12,6 +12,7 @@
 //!   source; a build with other features copies an object whose key it finds there.
 
 use std::env;
+use std::ffi::OsStr;
 use std::fmt::Write as _;
 use std::fs;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -395,18 +396,29 @@ fn prune(dir: &Path, name: &str) {
     }
 }
 
+/// The environment variables that can change an object without changing the compiler's command
+/// line or its preprocessed output (include paths show in the latter).
+const COMPILER_ENV: &[&str] = &["COMPILER_PATH", "GCC_EXEC_PREFIX", "SOURCE_DATE_EPOCH"];
+
 /// An `ObjectCache` key: the compiler's version, its command line and what else goes into the
 /// object (the preprocessed source, the device libraries).
 struct CacheKey(DefaultHasher);
 
 impl CacheKey {
+    /// Not the whole environment: cc hands the compiler a copy of the build script's, which
+    /// holds `OUT_DIR`, the features and the jobserver's descriptors, so no two builds would
+    /// share a key.
     fn new(cmd: &Command, version: &str) -> Self {
         let mut h = DefaultHasher::new();
         cmd.get_program().hash(&mut h);
         cmd.get_args().for_each(|a| a.hash(&mut h));
-        let mut envs: Vec<_> = cmd.get_envs().collect();
-        envs.sort();
-        envs.hash(&mut h);
+        for name in COMPILER_ENV {
+            let value = match cmd.get_envs().find(|(k, _)| k == name) {
+                Some((_, set)) => set.map(OsStr::to_os_string),
+                None => env::var_os(name),
+            };
+            (name, value).hash(&mut h);
+        }
         version.hash(&mut h);
         CacheKey(h)
     }
@@ -415,22 +427,27 @@ impl CacheKey {
         bytes.hash(&mut self.0);
     }
 
-    /// Every file under `dir` by path, size and modification time.
+    /// Every file under `dir` by path and contents (a few MB). Not by modification time: the
+    /// toolchain script links the device libraries anew and writes its gfx1201 one again each
+    /// time it runs, with the same bytes.
     fn add_tree(&mut self, dir: &Path) {
         let mut files = Vec::new();
         let mut pending = vec![dir.to_path_buf()];
         while let Some(d) = pending.pop() {
             for entry in fs::read_dir(&d).into_iter().flatten().flatten() {
-                let Ok(meta) = entry.metadata() else { continue };
-                if meta.is_dir() {
-                    pending.push(entry.path());
+                let path = entry.path();
+                if path.is_dir() {
+                    pending.push(path);
                 } else {
-                    files.push((entry.path(), meta.len(), meta.modified().ok()));
+                    files.push(path);
                 }
             }
         }
         files.sort();
-        files.hash(&mut self.0);
+        for path in files {
+            path.hash(&mut self.0);
+            fs::read(&path).ok().hash(&mut self.0);
+        }
     }
 
     fn finish(&self) -> u64 {
