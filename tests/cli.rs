@@ -2,6 +2,7 @@
 //! device path (a tiny run whose figures are not checked: no timing here, only its shape).
 
 use std::process::{Command, Output};
+use std::sync::OnceLock;
 
 fn hipkv(args: &[&str]) -> Output {
     hipkv_with(args, &[])
@@ -14,6 +15,13 @@ fn hipkv_with(args: &[&str], env: &[(&str, &str)]) -> Output {
         .envs(env.iter().copied())
         .output()
         .expect("run hipkv")
+}
+
+/// `hipkv info --kernels`, run once for the tests that read it: it emulates 192 decode steps for
+/// its cost model, which takes most of a minute on two cores.
+fn info_kernels() -> &'static Output {
+    static OUT: OnceLock<Output> = OnceLock::new();
+    OUT.get_or_init(|| hipkv(&["info", "--kernels"]))
 }
 
 #[test]
@@ -95,9 +103,9 @@ fn malformed_flags_are_usage_errors() {
 
 #[test]
 fn info_kernels_lists_every_kernel_or_says_why_there_are_none() {
-    let out = hipkv(&["info", "--kernels"]);
-    let text = String::from_utf8(out.stdout).unwrap();
-    let err = String::from_utf8(out.stderr).unwrap();
+    let out = info_kernels();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}{err}");
     if hipkv::kernels::code_objects().is_empty() {
         let why = hipkv::kernels::gpu_build_skipped().unwrap();
@@ -144,8 +152,8 @@ fn info_kernels_counts_each_kernels_instructions() {
     if hipkv::kernels::code_objects().is_empty() {
         return; // the test above checks what it says instead
     }
-    let out = hipkv(&["info", "--kernels"]);
-    let text = String::from_utf8(out.stdout).unwrap();
+    let out = info_kernels();
+    let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     if let Some(line) = text
         .lines()
