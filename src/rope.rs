@@ -22,8 +22,8 @@ pub struct Rope {
 pub struct RopeTable {
     layout: RopeLayout,
     pairs: usize,
-    /// `[position][pair] -> (cos, sin)`.
-    cos_sin: Vec<(f32, f32)>,
+    /// `[position][pair] -> [cos, sin]`.
+    cos_sin: Vec<[f32; 2]>,
 }
 
 impl RopeTable {
@@ -34,7 +34,12 @@ impl RopeTable {
 
     /// `[position][pair][cos, sin]` as plain floats, the device ABI's `rope_cos_sin`.
     pub(crate) fn flat(&self) -> Vec<f32> {
-        self.cos_sin.iter().flat_map(|&(c, s)| [c, s]).collect()
+        self.cos_sin.as_flattened().to_vec()
+    }
+
+    /// Position `position`'s `[pair][cos, sin]`: `head_dim` floats.
+    pub(crate) fn row(&self, position: usize) -> &[f32] {
+        self.cos_sin[position * self.pairs..(position + 1) * self.pairs].as_flattened()
     }
 
     pub fn new(rope: Rope, head_dim: usize, positions: usize) -> RopeTable {
@@ -46,7 +51,7 @@ impl RopeTable {
             .flat_map(|p| {
                 inv_freq.iter().map(move |f| {
                     let (s, c) = (p as f64 * f).sin_cos();
-                    (c as f32, s as f32)
+                    [c as f32, s as f32]
                 })
             })
             .collect();
@@ -63,7 +68,7 @@ impl RopeTable {
         let cs = &self.cos_sin[position * self.pairs..(position + 1) * self.pairs];
         match self.layout {
             RopeLayout::Interleaved => {
-                for (pair, &(c, s)) in x.chunks_exact_mut(2).zip(cs) {
+                for (pair, &[c, s]) in x.chunks_exact_mut(2).zip(cs) {
                     let (a, b) = (pair[0], pair[1]);
                     pair[0] = a * c - b * s;
                     pair[1] = a * s + b * c;
@@ -71,7 +76,7 @@ impl RopeTable {
             }
             RopeLayout::Halves => {
                 let (lo, hi) = x.split_at_mut(self.pairs);
-                for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+                for ((a, b), &[c, s]) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
                     let (x0, x1) = (*a, *b);
                     *a = x0 * c - x1 * s;
                     *b = x0 * s + x1 * c;

@@ -43,6 +43,20 @@ pub(crate) trait Kernel: Copy {
     /// The lanes of `a` and `b` alternated: `(a0 b0 a1 b1 a2 b2 a3 b3, a4 b4 … a7 b7)`, which
     /// puts rows decoded in a packed format's order back into channel order.
     fn interleave(self, a: Self::V, b: Self::V) -> (Self::V, Self::V);
+    /// RoPE of four interleaved pairs `(x[2i], x[2i+1])` by `cs = [cos₀, sin₀, cos₁, sin₁, …]`:
+    /// `(a·c − b·s, a·s + b·c)`, each product rounded, as [`crate::RopeTable::rotate`] computes
+    /// it.
+    fn rotate_pairs(self, x: Self::V, cs: Self::V) -> Self::V;
+    /// RoPE of eight split pairs `(lo[i], hi[i])` by `cs0, cs1`, the pairs' 16 `cos, sin`
+    /// floats: `(lo·c − hi·s, lo·s + hi·c)`, each product rounded, as
+    /// [`crate::RopeTable::rotate`] computes it.
+    fn rotate_halves(
+        self,
+        lo: Self::V,
+        hi: Self::V,
+        cs0: Self::V,
+        cs1: Self::V,
+    ) -> (Self::V, Self::V);
     /// Sum of the lanes of each of eight vectors, each as
     /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
     fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
@@ -250,6 +264,39 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
+    fn rotate_pairs(self, x: [f32; 8], cs: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| {
+            let (a, b, c, s) = (x[i & !1], x[i | 1], cs[i & !1], cs[i | 1]);
+            if i.is_multiple_of(2) {
+                a * c - b * s
+            } else {
+                a * s + b * c
+            }
+        })
+    }
+
+    #[inline(always)]
+    fn rotate_halves(
+        self,
+        lo: [f32; 8],
+        hi: [f32; 8],
+        cs0: [f32; 8],
+        cs1: [f32; 8],
+    ) -> ([f32; 8], [f32; 8]) {
+        let cs = |i: usize, k: usize| {
+            if i < 4 {
+                cs0[2 * i + k]
+            } else {
+                cs1[2 * i - 8 + k]
+            }
+        };
+        (
+            std::array::from_fn(|i| lo[i] * cs(i, 0) - hi[i] * cs(i, 1)),
+            std::array::from_fn(|i| lo[i] * cs(i, 1) + hi[i] * cs(i, 0)),
+        )
+    }
+
+    #[inline(always)]
     fn hsum8(self, v: [[f32; 8]; 8]) -> [f32; 8] {
         v.map(|v| ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])))
     }
@@ -432,6 +479,40 @@ mod avx2 {
                 (
                     _mm256_permute2f128_ps(lo, hi, 0x20),
                     _mm256_permute2f128_ps(lo, hi, 0x31),
+                )
+            }
+        }
+
+        #[inline(always)]
+        fn rotate_pairs(self, x: __m256, cs: __m256) -> __m256 {
+            // SAFETY: see the module note; register-only. `addsub` subtracts in the even lanes
+            // and adds in the odd ones: `a·c − b·s` and `b·c + a·s`.
+            unsafe {
+                let (c, s) = (_mm256_moveldup_ps(cs), _mm256_movehdup_ps(cs));
+                let swapped = _mm256_permute_ps::<0b10_11_00_01>(x);
+                _mm256_addsub_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(swapped, s))
+            }
+        }
+
+        #[inline(always)]
+        fn rotate_halves(
+            self,
+            lo: __m256,
+            hi: __m256,
+            cs0: __m256,
+            cs1: __m256,
+        ) -> (__m256, __m256) {
+            // SAFETY: see the module note; register-only. Each shuffle takes the cosines (or
+            // sines) of pairs 0, 1, 4, 5 | 2, 3, 6, 7; the 64-bit permute puts them in order.
+            unsafe {
+                let order = |v: __m256| {
+                    _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(v)))
+                };
+                let c = order(_mm256_shuffle_ps::<0b10_00_10_00>(cs0, cs1));
+                let s = order(_mm256_shuffle_ps::<0b11_01_11_01>(cs0, cs1));
+                (
+                    _mm256_sub_ps(_mm256_mul_ps(lo, c), _mm256_mul_ps(hi, s)),
+                    _mm256_add_ps(_mm256_mul_ps(lo, s), _mm256_mul_ps(hi, c)),
                 )
             }
         }

@@ -2,6 +2,7 @@
 //! update the online softmax, accumulate the weighted values; each loop a function of its own
 //! per (instruction set, format, head_dim), entered through `Kernel::run`.
 
+use crate::rope::{RopeLayout, RopeTable};
 use crate::scheme::{Format, LowBits, Q8_0_BLOCK};
 
 use super::super::simd::{Kernel, KernelFn};
@@ -111,8 +112,8 @@ pub(super) fn run_item<K: Kernel>(
                 for (c, x) in block.k.outliers(t) {
                     key[c] = x;
                 }
-                rope.rotate(key, block.first_pos + t);
             }
+            rotate_rows(k, rope, &mut dense, d, block.first_pos);
             let rows = F32Rows::new(&dense, n, d);
             score_block(k, &rows, n, d, &hq.rows, &mut scores, g, &mut prefetch_k);
         } else if let Format::Chan { bits } = block.k.format {
@@ -215,6 +216,49 @@ pub(super) fn run_item<K: Kernel>(
     }
     v_order.unpermute(&mut part.acc, d);
     part
+}
+
+/// Rotates each row of `d` values in `rows` to its position, `first` for the first: what
+/// [`RopeTable::rotate`] computes, to the bit, eight channels per step.
+#[inline(always)]
+pub(super) fn rotate_rows<K: Kernel>(
+    k: K,
+    rope: &RopeTable,
+    rows: &mut [f32],
+    d: usize,
+    first: usize,
+) {
+    assert!(d.is_multiple_of(16));
+    let half = d / 2;
+    for (t, row) in rows.chunks_exact_mut(d).enumerate() {
+        let cs = rope.row(first + t);
+        assert_eq!(cs.len(), d);
+        let (x, cs) = (row.as_mut_ptr(), cs.as_ptr());
+        // SAFETY: `row` and `cs` hold `d` floats each, and every access below reads or writes
+        // 8 of them at an offset `c + 8 <= d` (or `half + c + 8 <= d`, `2c + 16 <= d`).
+        unsafe {
+            match rope.layout() {
+                RopeLayout::Interleaved => {
+                    for c in (0..d).step_by(8) {
+                        let v = k.rotate_pairs(k.load_ptr(x.add(c)), k.load_ptr(cs.add(c)));
+                        k.store_ptr(v, x.add(c));
+                    }
+                }
+                RopeLayout::Halves => {
+                    for c in (0..half).step_by(8) {
+                        let (lo, hi) = k.rotate_halves(
+                            k.load_ptr(x.add(c)),
+                            k.load_ptr(x.add(half + c)),
+                            k.load_ptr(cs.add(2 * c)),
+                            k.load_ptr(cs.add(2 * c + 8)),
+                        );
+                        k.store_ptr(lo, x.add(c));
+                        k.store_ptr(hi, x.add(half + c));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// `folded[r][p] = q[r][p] · scale[p]` and `bias[r] = Σ_p q[r][p] · min[p]`, so that
@@ -758,4 +802,61 @@ pub(super) fn dense_value<K: Kernel, R: Rows>(
     // `CHUNK`, so `c0` is one and `p - p % 8 + 8 <= d`.
     k.store(unsafe { rows.row8(k, t, c0, (p - c0) / 8) }, &mut lanes);
     lanes[p % 8]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::simd::{Portable, dispatch};
+    use super::*;
+    use crate::rope::Rope;
+    use crate::synth::Rng;
+
+    struct Rotate<'a> {
+        rope: &'a RopeTable,
+        rows: Vec<f32>,
+        d: usize,
+        first: usize,
+    }
+
+    impl KernelFn<Vec<f32>> for Rotate<'_> {
+        fn call<K: Kernel>(mut self, k: K) -> Vec<f32> {
+            rotate_rows(k, self.rope, &mut self.rows, self.d, self.first);
+            self.rows
+        }
+    }
+
+    /// Both instruction sets give `RopeTable::rotate`'s bits, for both layouts and every
+    /// head_dim, at positions where the angles are large.
+    #[test]
+    fn rows_rotate_as_the_table_does() {
+        let mut rng = Rng::new(7);
+        for layout in [RopeLayout::Interleaved, RopeLayout::Halves] {
+            for d in [64, 128, 256] {
+                let rope = RopeTable::new(
+                    Rope {
+                        base: 10000.0,
+                        layout,
+                    },
+                    d,
+                    5000,
+                );
+                let (n, first) = (5, 4093);
+                let rows: Vec<f32> = (0..n * d).map(|_| 3.0 * rng.normal()).collect();
+                let mut expected = rows.clone();
+                for (t, row) in expected.chunks_exact_mut(d).enumerate() {
+                    rope.rotate(row, first + t);
+                }
+                let job = |rows: &Vec<f32>| Rotate {
+                    rope: &rope,
+                    rows: rows.clone(),
+                    d,
+                    first,
+                };
+                for got in [job(&rows).call(Portable), dispatch(job(&rows))] {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&expected), "{layout:?} d {d}");
+                }
+            }
+        }
+    }
 }
