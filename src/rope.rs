@@ -39,7 +39,11 @@ impl RopeTable {
 
     /// Position `position`'s `[pair][cos, sin]`: `head_dim` floats.
     pub(crate) fn row(&self, position: usize) -> &[f32] {
-        self.cos_sin[position * self.pairs..(position + 1) * self.pairs].as_flattened()
+        self.pairs_at(position).as_flattened()
+    }
+
+    fn pairs_at(&self, position: usize) -> &[[f32; 2]] {
+        &self.cos_sin[position * self.pairs..(position + 1) * self.pairs]
     }
 
     pub fn new(rope: Rope, head_dim: usize, positions: usize) -> RopeTable {
@@ -65,7 +69,7 @@ impl RopeTable {
     /// Rotates one head vector `x` (`head_dim` values) to `position`.
     #[inline(always)]
     pub fn rotate(&self, x: &mut [f32], position: usize) {
-        let cs = &self.cos_sin[position * self.pairs..(position + 1) * self.pairs];
+        let cs = self.pairs_at(position);
         match self.layout {
             RopeLayout::Interleaved => {
                 for (pair, &[c, s]) in x.chunks_exact_mut(2).zip(cs) {

@@ -104,8 +104,8 @@ fn malformed_flags_are_usage_errors() {
 #[test]
 fn info_kernels_lists_every_kernel_or_says_why_there_are_none() {
     let out = info_kernels();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let err = String::from_utf8_lossy(&out.stderr);
+    let text = std::str::from_utf8(&out.stdout).unwrap();
+    let err = std::str::from_utf8(&out.stderr).unwrap();
     assert!(out.status.success(), "{text}{err}");
     if hipkv::kernels::code_objects().is_empty() {
         let why = hipkv::kernels::gpu_build_skipped().unwrap();
@@ -153,7 +153,7 @@ fn info_kernels_counts_each_kernels_instructions() {
         return; // the test above checks what it says instead
     }
     let out = info_kernels();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = std::str::from_utf8(&out.stdout).unwrap();
     assert!(out.status.success(), "{text}");
     if let Some(line) = text
         .lines()
@@ -200,7 +200,7 @@ fn info_kernels_counts_each_kernels_instructions() {
             assert!(fma > 0, "{cells:?}");
         }
     }
-    issue_model_predicts_every_attention_kernel(&text);
+    issue_model_predicts_every_attention_kernel(text);
 }
 
 /// The issue model's table (after the census, in the same output): a row per attention kernel

@@ -283,11 +283,12 @@ impl Kernel for Portable {
         cs0: [f32; 8],
         cs1: [f32; 8],
     ) -> ([f32; 8], [f32; 8]) {
-        let cs = |i: usize, k: usize| {
+        // Pair `i`'s cosine (`part` 0) or sine (1).
+        let cs = |i: usize, part: usize| {
             if i < 4 {
-                cs0[2 * i + k]
+                cs0[2 * i + part]
             } else {
-                cs1[2 * i - 8 + k]
+                cs1[2 * i - 8 + part]
             }
         };
         (
