@@ -10,6 +10,7 @@ use crate::backend::{Backend, trace_loads};
 use crate::cache::{CacheConfig, KvCache, Query};
 use crate::error::{Error, Result};
 use crate::kernels::attention_kernel_name;
+use crate::rope::{Rope, RopeLayout};
 use crate::scheme::Scheme;
 use crate::synth::Rng;
 use rayon::prelude::*;
@@ -40,6 +41,8 @@ pub struct MemoryReport {
     pub kv_bytes: u64,
     /// Loads from the KV blocks and the slot states (sinks, f16 windows), summed.
     pub kv: LoadCounts,
+    /// Loads from the RoPE table (`pre_rope` schemes: the keys are rotated in the loop).
+    pub rope: LoadCounts,
     /// Loads from everywhere else: the prepared queries, the workspace, block tables and
     /// sequence metadata.
     pub other: LoadCounts,
@@ -78,6 +81,19 @@ impl MemoryReport {
         (self.kv.span_lines * LINE_BYTES) as f64 / 1024.0
     }
 
+    /// Bytes requested from the RoPE table per KV byte (0 without `pre_rope`).
+    pub fn rope_reads(&self) -> f64 {
+        self.rope.bytes as f64 / self.kv_bytes as f64
+    }
+
+    /// The RoPE table's share of the step's DRAM fetch, per KV byte, counted as [`fetch`]
+    /// counts the KV lines: each table line touched, fetched once.
+    ///
+    /// [`fetch`]: MemoryReport::fetch
+    pub fn rope_fetch(&self) -> f64 {
+        (self.rope.lines * LINE_BYTES) as f64 / self.kv_bytes as f64
+    }
+
     /// Bytes requested from everywhere else (queries, workspace, metadata) per KV byte.
     pub fn other_per_kv_byte(&self) -> f64 {
         self.other.bytes as f64 / self.kv_bytes as f64
@@ -99,7 +115,8 @@ fn add(a: LoadCounts, b: LoadCounts) -> LoadCounts {
 }
 
 /// Runs one decode step of `scheme` at `shape` on the emulator, its cache filled with random
-/// keys and values, and reports the attention kernel's loads.
+/// keys and values (calibrated on them first, where the scheme calibrates anything), and
+/// reports the attention kernel's loads.
 pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> {
     let config = CacheConfig {
         layers: 1,
@@ -109,13 +126,18 @@ pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> 
         head_dim: shape.head_dim,
         capacity: shape.context,
         scheme: *scheme,
-        rope: None,
+        // A `pre_rope` cache needs its model's RoPE; the table's loads count as `other`.
+        rope: scheme.pre_rope.then_some(Rope {
+            base: 10000.0,
+            layout: RopeLayout::Interleaved,
+        }),
     };
     let mut cache = KvCache::with_backend(config, Backend::Emu)?;
     let mut rng = Rng::new(7);
     let width = shape.kv_heads * shape.head_dim;
     let k = rng.normals(shape.context * width);
     let v = rng.normals(shape.context * width);
+    cache.calibrate(0, &k, &v, 0)?;
     cache.append(0, 0, &k, &v)?;
     let q = rng.normals(config.q_heads * shape.head_dim);
     let mut out = vec![0f32; q.len()];
@@ -138,6 +160,7 @@ pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> 
         shape,
         kv_bytes: cache.bytes_read(0, 0)? as u64,
         kv: add(attention.cache, attention.state),
+        rope: attention.rope,
         other: attention.other,
     })
 }
@@ -170,6 +193,50 @@ pub fn kernel_reports() -> Result<Vec<MemoryReport>> {
         .par_iter()
         .map(|(scheme, shape)| memory_report(scheme, *shape))
         .collect()
+}
+
+/// The memory report of a decode step in each of the presets that store keys before RoPE
+/// ([`crate::scheme::FRONTIER_PRESETS`]) at head_dim 64, 128 and 256, at [`report_shape`]: what
+/// rotating the keys inside the loop loads from the RoPE table beside the KV bytes.
+pub fn rope_reports() -> Result<Vec<MemoryReport>> {
+    let mut steps = Vec::new();
+    for head_dim in [64, 128, 256] {
+        for preset in crate::scheme::FRONTIER_PRESETS {
+            steps.push((preset.parse::<Scheme>()?, report_shape(head_dim)));
+        }
+    }
+    steps
+        .par_iter()
+        .map(|(scheme, shape)| memory_report(scheme, *shape))
+        .collect()
+}
+
+/// [`rope_reports`] as a table, one step per line.
+pub fn rope_table(reports: &[MemoryReport]) -> String {
+    let mut out = format!(
+        "{:8}  {:>8}  {:>9}  {:>8}  {:>15}  {:>11}  {:>10}\n",
+        "scheme",
+        "head_dim",
+        "KV B/tok",
+        "KV fetch",
+        "table requested",
+        "table fetch",
+        "step fetch"
+    );
+    for r in reports {
+        let per_token = r.kv_bytes as f64 / (r.shape.context * r.shape.kv_heads) as f64;
+        out += &format!(
+            "{:8}  {:>8}  {:>9.1}  {:>7.3}x  {:>14.2}x  {:>10.3}x  {:>9.3}x\n",
+            r.scheme.to_string(),
+            r.shape.head_dim,
+            per_token,
+            r.fetch(),
+            r.rope_reads(),
+            r.rope_fetch(),
+            r.fetch() + r.rope_fetch(),
+        );
+    }
+    out
 }
 
 /// The reports as a table, one kernel per line.

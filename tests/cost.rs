@@ -1,7 +1,7 @@
 //! The memory half of the GPU cost model (`hipkv::cost`): the attention kernels' global loads,
 //! traced by the SIMT emulator, against the KV bytes a step must read.
 
-use hipkv::cost::{StepShape, kernel_reports, memory_report};
+use hipkv::cost::{StepShape, kernel_reports, memory_report, rope_reports};
 use hipkv::scheme::{KERNEL_FORMATS, Scheme};
 
 /// Every key × value pair, with sinks, a value window or neither, over a partial last page: the
@@ -51,4 +51,37 @@ fn every_kernel_fetches_at_most_a_tenth_more_than_it_needs() {
     let table = hipkv::cost::memory_table(&reports);
     assert_eq!(table.lines().count(), reports.len() + 1);
     assert!(table.contains("hipkv_attn_q4_chan_q4_tok_d128"), "{table}");
+}
+
+/// A step whose keys are stored before RoPE reads the table row of every position it attends
+/// to, each once at least (the rows of positions 0..context, `4·head_dim` bytes each), and
+/// nothing else from the table; a step of the same formats with keys stored rotated reads none
+/// of it. The KV bytes are read as exactly as without `pre_rope`.
+#[test]
+fn pre_rope_steps_report_the_rope_table_they_read() {
+    let shape = StepShape {
+        head_dim: 64,
+        kv_heads: 2,
+        gqa: 4,
+        context: 200,
+    };
+    let table_bytes = (shape.context * shape.head_dim * 4) as u64;
+    for (scheme, pre_rope) in [("kv4", true), ("kivi4,pre_rope", true), ("kivi4", false)] {
+        let r = memory_report(&scheme.parse().unwrap(), shape).unwrap();
+        assert_eq!(r.kv.unique_bytes, r.kv_bytes, "{scheme}: {r:?}");
+        if pre_rope {
+            assert_eq!(r.rope.unique_bytes, table_bytes, "{scheme}: {r:?}");
+            assert!(
+                r.rope_fetch() > 0.0 && r.rope_reads() >= r.rope_fetch(),
+                "{scheme}"
+            );
+        } else {
+            assert_eq!(r.rope, Default::default(), "{scheme}: {r:?}");
+        }
+    }
+    let reports = rope_reports().unwrap();
+    assert_eq!(reports.len(), 9);
+    let table = hipkv::cost::rope_table(&reports);
+    assert_eq!(table.lines().count(), reports.len() + 1);
+    assert!(table.lines().nth(1).unwrap().starts_with("kv4 "), "{table}");
 }

@@ -42,13 +42,14 @@ struct TraceRequest {
 }
 
 /// The loads of one traced launch, by where they read: the KV blocks of the layer (`cache`),
-/// the slot states (`state`: sinks and f16 windows), and everything else (queries, workspace,
-/// block tables and sequence metadata).
+/// the slot states (`state`: sinks and f16 windows), the RoPE table of a `pre_rope` step
+/// (`rope`), and everything else (queries, workspace, block tables and sequence metadata).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelLoads {
     pub kernel: String,
     pub cache: LoadCounts,
     pub state: LoadCounts,
+    pub rope: LoadCounts,
     pub other: LoadCounts,
 }
 
@@ -90,9 +91,10 @@ pub fn trace_loads<R>(f: impl FnOnce() -> R) -> (R, Vec<KernelLoads>) {
     (result, traced)
 }
 
-/// The cache and slot-state ranges a launch's params point at, as `[begin, end)` address pairs
-/// (empty for kernels that read neither).
-fn regions(params: &dyn Any) -> [u64; 4] {
+/// The cache, slot-state and RoPE-table ranges a launch's params point at, as `[begin, end)`
+/// address pairs (empty for kernels that read none of them; the table's only where a
+/// `pre_rope` step passes one).
+fn regions(params: &dyn Any) -> [u64; 6] {
     let ranges = |cache: u64, g: &hipkv_paged_geometry, state: u64, slot_state_bytes: u64| {
         let cache_end = cache + g.num_blocks as u64 * g.block_bytes;
         [
@@ -103,11 +105,16 @@ fn regions(params: &dyn Any) -> [u64; 4] {
         ]
     };
     if let Some(p) = params.downcast_ref::<hipkv_attn_params>() {
-        ranges(p.cache as u64, &p.g, p.state as u64, p.slot_state_bytes)
+        let [c, ce, s, se] = ranges(p.cache as u64, &p.g, p.state as u64, p.slot_state_bytes);
+        let table = p.rope_cos_sin as u64;
+        let table_bytes = u64::from(p.g.max_positions) * u64::from(p.g.head_dim) * 4;
+        let table_end = if table == 0 { 0 } else { table + table_bytes };
+        [c, ce, s, se, table, table_end]
     } else if let Some(p) = params.downcast_ref::<hipkv_write_params>() {
-        ranges(p.cache as u64, &p.g, p.state as u64, p.slot_state_bytes)
+        let [c, ce, s, se] = ranges(p.cache as u64, &p.g, p.state as u64, p.slot_state_bytes);
+        [c, ce, s, se, 0, 0]
     } else {
-        [0; 4]
+        [0; 6]
     }
 }
 
@@ -136,10 +143,10 @@ pub(crate) fn launch<P: Copy + 'static>(
     let mut err = vec![0 as c_char; 1024];
     let tracing = TRACED.with(|t| t.borrow().is_some());
     let ranges = regions(params);
-    let mut counts = [LoadCounts::default(); 3];
+    let mut counts = [LoadCounts::default(); 4];
     let request = TraceRequest {
         regions: ranges.as_ptr(),
-        num_regions: 2,
+        num_regions: 3,
         counts: counts.as_mut_ptr(),
     };
     let trace: *const TraceRequest = if tracing { &request } else { std::ptr::null() };
@@ -147,7 +154,7 @@ pub(crate) fn launch<P: Copy + 'static>(
     // reference buffers alive for this call; the launcher checks the size against the kernel's
     // own params type, runs every workgroup before it returns, and writes at most `err.len()`
     // bytes, NUL-terminated, into `err`. A non-null `trace` points at `request`, whose two
-    // regions and three counts live until the call returns. No C++ exception crosses the
+    // regions and four counts live until the call returns. No C++ exception crosses the
     // boundary (built with -fno-exceptions; errors are return codes).
     let rc = unsafe {
         hipkv_emu_launch(
@@ -164,11 +171,12 @@ pub(crate) fn launch<P: Copy + 'static>(
     };
     if rc == 0 {
         if tracing {
-            let [cache, state, other] = counts;
+            let [cache, state, rope, other] = counts;
             let loads = KernelLoads {
                 kernel: name.to_string(),
                 cache,
                 state,
+                rope,
                 other,
             };
             TRACED.with(|t| t.borrow_mut().as_mut().map(|v| v.push(loads)));
