@@ -639,6 +639,18 @@ fn memory_model() -> Result<Vec<hipkv::cost::MemoryReport>, CliError> {
          from the queries, workspace and metadata per KV byte (element by element as the source \
          reads them). docs/performance.md states the model's assumptions."
     );
+    println!(
+        "\npre-RoPE steps: the presets that store keys before RoPE rotate each key to its \
+         position inside the loop, reading the RoPE table beside the KV bytes (same shape)\n"
+    );
+    print!("{}", hipkv::cost::rope_table(&hipkv::cost::rope_reports()?));
+    println!(
+        "\nKV fetch: as fetch above; table requested: bytes the lanes load from the table per \
+         KV byte; table fetch: distinct table lines' bytes per KV byte (the rows of every \
+         position the step reads, once; shared by every KV head and sequence of a step, so a \
+         step of more KV heads or sequences fetches less of it per KV byte); step fetch: the two \
+         together."
+    );
     Ok(reports)
 }
 
