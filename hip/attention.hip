@@ -386,22 +386,24 @@ HIPKV_DEV void score_block_token(const hipkv_attn_params &p, const StreamView &k
     score_token<F, D>(p, k, t, w, s);
 }
 
-// Rotates the pair (x, y) of pair index `i` by the angle of position `pos`.
-HIPKV_DEV void rotate(const float *cos_sin, uint32_t pos, uint32_t pairs, uint32_t i, float &x,
+// Rotates the pair (x, y) of pair index `i` by the angle of the table's row `row`.
+HIPKV_DEV void rotate(const float *cos_sin, uint32_t row, uint32_t pairs, uint32_t i, float &x,
                       float &y) {
-    const float c = read_global(cos_sin + 2 * ((size_t)pos * pairs + i));
-    const float s = read_global(cos_sin + 2 * ((size_t)pos * pairs + i) + 1);
+    const float c = read_global(cos_sin + 2 * ((size_t)row * pairs + i));
+    const float s = read_global(cos_sin + 2 * ((size_t)row * pairs + i) + 1);
     const float rx = x * c - y * s;
     y = x * s + y * c;
     x = rx;
 }
 
-// Scores of a key stored before RoPE (KVQuant): each dequantized element pair is rotated to the
-// token's position inside the loop, and outliers are corrected through the same rotation.
+// Scores of a key stored before RoPE (KVQuant) against the query rows turned back to the
+// block's first position (`turn_query_back`): each dequantized element pair is rotated by the
+// angle of its row `t` in the block inside the loop, and outliers are corrected through the same
+// rotation.
 template <int F, int D>
 HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
-                                    uint32_t pos, const WaveRows<D> &w, float s[kRows<D>]) {
-    const float *q = w.q;
+                                    const WaveRows<D> &w, float s[kRows<D>]) {
+    const float *q = vector_ptr(p.partial_acc + w.out * D);
     const uint32_t rows = w.n;
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
     constexpr uint32_t pairs = D / 2;
@@ -431,7 +433,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
         for (uint32_t c = 0; c < D; c += 8) {
             float x[8];
             dequant8(c, x);
-            for (int i = 0; i < 8; i += 2) rotate(p.rope_cos_sin, pos, pairs, (c + i) / 2, x[i], x[i + 1]);
+            for (int i = 0; i < 8; i += 2) rotate(p.rope_cos_sin, t, pairs, (c + i) / 2, x[i], x[i + 1]);
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     for (int i = 0; i < 8; ++i) s[r] += read_global(q + r * D + c + i) * x[i];
@@ -442,7 +444,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             float x[8], y[8];
             dequant8(c, x);
             dequant8(c + pairs, y);
-            for (int i = 0; i < 8; ++i) rotate(p.rope_cos_sin, pos, pairs, c + i, x[i], y[i]);
+            for (int i = 0; i < 8; ++i) rotate(p.rope_cos_sin, t, pairs, c + i, x[i], y[i]);
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     for (int i = 0; i < 8; ++i)
@@ -464,7 +466,7 @@ HIPKV_DEV void score_token_pre_rope(const hipkv_attn_params &p, const StreamView
             const bool first = inter ? (c % 2 == 0) : (c < pairs);
             const uint32_t xc = inter ? 2 * pair : pair, yc = inter ? 2 * pair + 1 : pair + pairs;
             float dx = first ? delta : 0.0f, dy = first ? 0.0f : delta;
-            rotate(p.rope_cos_sin, pos, pairs, pair, dx, dy);
+            rotate(p.rope_cos_sin, t, pairs, pair, dx, dy);
             for (int r = 0; r < kRows<D>; ++r)
                 if ((uint32_t)r < rows)
                     s[r] += read_global(q + r * D + xc) * dx + read_global(q + r * D + yc) * dy;
@@ -562,12 +564,11 @@ HIPKV_DEV void attend_run(const hipkv_attn_params &p, const StreamView &k, const
     float s[kRows<D>];
     if (lane < n) {
         const uint32_t t = t0 + lane;
-        const uint32_t pos = run_pos + lane;
         if (p.g.pre_rope) {
             if (k_f16)
-                score_token_pre_rope<HIPKV_F16, D>(p, k, t, pos, w, s);
+                score_token_pre_rope<HIPKV_F16, D>(p, k, t, w, s);
             else
-                score_token_pre_rope<KF, D>(p, k, t, pos, w, s);
+                score_token_pre_rope<KF, D>(p, k, t, w, s);
         } else if (k_f16) {
             score_token<HIPKV_F16, D>(p, k, t, w, s);
         } else {
@@ -672,6 +673,36 @@ HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
         if ((uint32_t)r >= w.n) continue;
         const float b = wave_sum(bias[r]);
         if (lane_id() == 0) fold_bias[r] = b;
+    }
+    fence_workgroup();
+    wave_sync();
+}
+
+// Pre-RoPE keys: `R(pos0 + t) = R(pos0)·R(t)`, so `q·R(pos0 + t)x = (R(−pos0)q)·R(t)x`. Turns
+// the wave's query rows back by the block's first position `pos0`, once per block, into its
+// partial outputs (as `fold_chan_query` folds), so that each key turns by its row `t` in the
+// block alone: one of the table's first rows, which every wave shares and keeps in cache. Its
+// own position's row would stream 4·head_dim table bytes per token and wave beside the KV bytes
+// (docs/performance.md, "The RoPE table of pre-RoPE steps").
+template <int D>
+HIPKV_DEV void turn_query_back(const hipkv_attn_params &p, const WaveRows<D> &w, uint32_t pos0) {
+    constexpr uint32_t pairs = D / 2;
+    float *turned = p.partial_acc + w.out * D;
+    const float *cos_sin = p.rope_cos_sin + 2 * (size_t)pos0 * pairs;
+    const bool interleaved = p.g.rope_pairs_interleaved != 0;
+    wave_sync();  // every lane has scored the previous block with the previous turn
+    // Both loops rolled: unrolled, the pass held values live beside the block loop's
+    // accumulators, and kernels at the 192-VGPR cap spilled.
+    HIPKV_ROLLED
+    for (uint32_t r = 0; r < w.n; ++r) {
+        HIPKV_ROLLED
+        for (uint32_t i = lane_id(); i < pairs; i += HIPKV_WAVE) {
+            const float c = read_global(cos_sin + 2 * i), s = read_global(cos_sin + 2 * i + 1);
+            const uint32_t xc = interleaved ? 2 * i : i, yc = interleaved ? 2 * i + 1 : i + pairs;
+            const float x = read_global(w.q + r * D + xc), y = read_global(w.q + r * D + yc);
+            turned[r * D + xc] = x * c + y * s;  // by −pos0: the sine's sign flips
+            turned[r * D + yc] = y * c - x * s;
+        }
     }
     fence_workgroup();
     wave_sync();
@@ -792,6 +823,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         p.window != 0 && w.first_limit > p.window ? w.first_limit - p.window : 0;
     const uint32_t sinks = sq.len < g.sinks ? sq.len : g.sinks;
     if (split == 0 && sinks > first_seen) {
+        if (g.pre_rope) turn_query_back<D>(p, w, 0);
         const size_t at = (size_t)head * g.sinks * D;
         const uint16_t *sk = reinterpret_cast<const uint16_t *>(sq.state + g.sinks_k) + at;
         const uint16_t *sv = reinterpret_cast<const uint16_t *>(sq.state + g.sinks_v) + at;
@@ -839,8 +871,11 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         // rows in the residual window.
         const bool open = t_end < bt;
         const bool k_open = g.k.residual && open, v_open = g.v.residual && open;
-        if constexpr (format_is_chan(KF))
-            if (!k_open && !g.pre_rope) fold_chan_query<D>(p, w, block + g.k.params);
+        if (g.pre_rope) {
+            turn_query_back<D>(p, w, pos0);
+        } else if constexpr (format_is_chan(KF)) {
+            if (!k_open) fold_chan_query<D>(p, w, block + g.k.params);
+        }
         const bool v_window = pos0 >= window_from;
         attend_block<KF, VF, D>(
             p, k_open ? f16_stream(residual_rows(g, sq, head, g.residual_k), D)
@@ -850,8 +885,9 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
             k_open, v_open || v_window, t_begin, t_end, pos0, w, st, acc, wave_weights);
     }
 
-    // Per-channel keys: the last block's folded query, in these slots, has been read.
-    if constexpr (format_is_chan(KF)) wave_sync();
+    // Per-channel or pre-RoPE keys: the last block's folded or turned query, in these slots,
+    // has been read.
+    if (format_is_chan(KF) || g.pre_rope) wave_sync();
     const uint32_t lane = lane_id();
     // Rows in a loop of constant trip count: the state arrays stay in registers.
     for (int r = 0; r < kRows<D>; ++r) {

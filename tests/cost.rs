@@ -53,24 +53,30 @@ fn every_kernel_fetches_at_most_a_tenth_more_than_it_needs() {
     assert!(table.contains("hipkv_attn_q4_chan_q4_tok_d128"), "{table}");
 }
 
-/// A step whose keys are stored before RoPE reads the table row of every position it attends
-/// to, each once at least (the rows of positions 0..context, `4·head_dim` bytes each), and
-/// nothing else from the table; a step of the same formats with keys stored rotated reads none
-/// of it. The KV bytes are read as exactly as without `pre_rope`.
+/// A step whose keys are stored before RoPE reads from the table the rows of the offsets in a
+/// block (the first `g` rows: each key turns by its row in its block) and the row of each
+/// block's first position (the query turns back by it once per block), each once at least, and
+/// nothing else; a step of the same formats with keys stored rotated reads none of it. The KV
+/// bytes are read as exactly as without `pre_rope`.
 #[test]
-fn pre_rope_steps_report_the_rope_table_they_read() {
+fn pre_rope_steps_read_the_rope_table_by_block_offset() {
     let shape = StepShape {
         head_dim: 64,
         kv_heads: 2,
         gqa: 4,
         context: 200,
     };
-    let table_bytes = (shape.context * shape.head_dim * 4) as u64;
+    let row_bytes = (shape.head_dim * 4) as u64;
     for (scheme, pre_rope) in [("kv4", true), ("kivi4,pre_rope", true), ("kivi4", false)] {
-        let r = memory_report(&scheme.parse().unwrap(), shape).unwrap();
+        let scheme: Scheme = scheme.parse().unwrap();
+        let r = memory_report(&scheme, shape).unwrap();
         assert_eq!(r.kv.unique_bytes, r.kv_bytes, "{scheme}: {r:?}");
         if pre_rope {
-            assert_eq!(r.rope.unique_bytes, table_bytes, "{scheme}: {r:?}");
+            let g = scheme.group_tokens;
+            let blocks = shape.context.div_ceil(g);
+            // Rows 0..g, and the first rows of blocks 1.. (block 0's is row 0).
+            let rows = (g + blocks - 1) as u64;
+            assert_eq!(r.rope.unique_bytes, rows * row_bytes, "{scheme}: {r:?}");
             assert!(
                 r.rope_fetch() > 0.0 && r.rope_reads() >= r.rope_fetch(),
                 "{scheme}"

@@ -168,6 +168,15 @@ fn frontier_presets_at_every_head_dim() {
 fn long_contexts_use_many_splits() {
     check(config("kivi4", 2, 4, 64, 1100), &[1100, 700], 9);
     check(config("q8", 1, 1, 128, 700), &[683], 10);
+    // Pre-RoPE keys deep in a context: each key turns by its row in its block and the query
+    // back by the block's first position, which must agree with the key turned to its own
+    // position within the bound at large angles too.
+    for (layout, lens) in [
+        (RopeLayout::Interleaved, [4100, 2999]),
+        (RopeLayout::Halves, [3333, 4100]),
+    ] {
+        check(with_rope(config("kv4", 1, 4, 128, 4100), layout), &lens, 11);
+    }
 }
 
 /// Within a sliding window the splits share out only the blocks the window reaches, starting

@@ -640,16 +640,16 @@ fn memory_model() -> Result<Vec<hipkv::cost::MemoryReport>, CliError> {
          reads them). docs/performance.md states the model's assumptions."
     );
     println!(
-        "\npre-RoPE steps: the presets that store keys before RoPE rotate each key to its \
-         position inside the loop, reading the RoPE table beside the KV bytes (same shape)\n"
+        "\npre-RoPE steps: the presets that store keys before RoPE rotate each key inside the \
+         loop, by its row in its block, and the query back by the block's first position once \
+         per block, reading the RoPE table beside the KV bytes (same shape)\n"
     );
     print!("{}", hipkv::cost::rope_table(&hipkv::cost::rope_reports()?));
     println!(
         "\nKV fetch: as fetch above; table requested: bytes the lanes load from the table per \
-         KV byte; table fetch: distinct table lines' bytes per KV byte (the rows of every \
-         position the step reads, once; shared by every KV head and sequence of a step, so a \
-         step of more KV heads or sequences fetches less of it per KV byte); step fetch: the two \
-         together."
+         KV byte; table fetch: distinct table lines' bytes per KV byte (each row the step reads, \
+         once; the table is shared by every KV head and sequence of a step, so a step of more \
+         KV heads or sequences fetches less of it per KV byte); step fetch: the two together."
     );
     Ok(reports)
 }
