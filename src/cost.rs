@@ -81,6 +81,11 @@ impl MemoryReport {
         (self.kv.span_lines * LINE_BYTES) as f64 / 1024.0
     }
 
+    /// The KV bytes the step must read per token and KV head.
+    pub fn kv_bytes_per_token(&self) -> f64 {
+        self.kv_bytes as f64 / (self.shape.context * self.shape.kv_heads) as f64
+    }
+
     /// Bytes requested from the RoPE table per KV byte (0 without `pre_rope`).
     pub fn rope_reads(&self) -> f64 {
         self.rope.bytes as f64 / self.kv_bytes as f64
@@ -224,12 +229,11 @@ pub fn rope_table(reports: &[MemoryReport]) -> String {
         "step fetch"
     );
     for r in reports {
-        let per_token = r.kv_bytes as f64 / (r.shape.context * r.shape.kv_heads) as f64;
         out += &format!(
             "{:8}  {:>8}  {:>9.1}  {:>7.3}x  {:>14.2}x  {:>10.3}x  {:>9.3}x\n",
             r.scheme.to_string(),
             r.shape.head_dim,
-            per_token,
+            r.kv_bytes_per_token(),
             r.fetch(),
             r.rope_reads(),
             r.rope_fetch(),
@@ -259,11 +263,10 @@ pub fn memory_table(reports: &[MemoryReport]) -> String {
         "other/KV B"
     );
     for r in reports {
-        let per_token = r.kv_bytes as f64 / (r.shape.context * r.shape.kv_heads) as f64;
         out += &format!(
             "{:width$}  {:>9.1}  {:>8.2}x  {:>10.2}  {:>11.2}x  {:>7.3}x  {:>8.1}  {:>11.2}\n",
             r.kernel,
-            per_token,
+            r.kv_bytes_per_token(),
             r.kv_reads(),
             r.lines_per_load(),
             r.line_traffic(),

@@ -411,8 +411,7 @@ impl Row<'_> {
 
     /// KV bytes the step reads per token and KV head.
     fn kv_bytes_per_token(&self) -> f64 {
-        let m = self.memory;
-        m.kv_bytes as f64 / (m.shape.context * m.shape.kv_heads) as f64
+        self.memory.kv_bytes_per_token()
     }
 
     /// The prediction at GQA `gqa` for `block` (this row's, or its `iq` one), VALU
