@@ -153,7 +153,7 @@ pub(crate) fn launch<P: Copy + 'static>(
     // SAFETY: `params` is a `#[repr(C)]` ABI struct of `size_of::<P>()` bytes whose pointers
     // reference buffers alive for this call; the launcher checks the size against the kernel's
     // own params type, runs every workgroup before it returns, and writes at most `err.len()`
-    // bytes, NUL-terminated, into `err`. A non-null `trace` points at `request`, whose two
+    // bytes, NUL-terminated, into `err`. A non-null `trace` points at `request`, whose three
     // regions and four counts live until the call returns. No C++ exception crosses the
     // boundary (built with -fno-exceptions; errors are return codes).
     let rc = unsafe {
