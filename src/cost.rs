@@ -131,7 +131,7 @@ pub fn memory_report(scheme: &Scheme, shape: StepShape) -> Result<MemoryReport> 
         head_dim: shape.head_dim,
         capacity: shape.context,
         scheme: *scheme,
-        // A `pre_rope` cache needs its model's RoPE; the table's loads count as `other`.
+        // A `pre_rope` cache needs its model's RoPE; the table's loads count as `rope`.
         rope: scheme.pre_rope.then_some(Rope {
             base: 10000.0,
             layout: RopeLayout::Interleaved,
@@ -181,6 +181,14 @@ pub fn report_shape(head_dim: usize) -> StepShape {
     }
 }
 
+/// The memory reports of `steps`, each an emulated step of its own, on all cores, in order.
+fn memory_reports(steps: &[(Scheme, StepShape)]) -> Result<Vec<MemoryReport>> {
+    steps
+        .par_iter()
+        .map(|(scheme, shape)| memory_report(scheme, *shape))
+        .collect()
+}
+
 /// The memory report of every attention kernel (key format × value format) at head_dim 64,
 /// 128 and 256, at [`report_shape`], in that order. Each report is an emulated step of its own,
 /// so they run on all cores: one after another they take a minute.
@@ -194,10 +202,7 @@ pub fn kernel_reports() -> Result<Vec<MemoryReport>> {
             }
         }
     }
-    steps
-        .par_iter()
-        .map(|(scheme, shape)| memory_report(scheme, *shape))
-        .collect()
+    memory_reports(&steps)
 }
 
 /// The memory report of a decode step in each of the presets that store keys before RoPE
@@ -210,10 +215,7 @@ pub fn rope_reports() -> Result<Vec<MemoryReport>> {
             steps.push((preset.parse::<Scheme>()?, report_shape(head_dim)));
         }
     }
-    steps
-        .par_iter()
-        .map(|(scheme, shape)| memory_report(scheme, *shape))
-        .collect()
+    memory_reports(&steps)
 }
 
 /// [`rope_reports`] as a table, one step per line.
