@@ -902,8 +902,9 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
 
 }  // namespace hipkv
 
-// Not in the issue model's probe objects (HIPKV_PROBE), which hold only `probe_block`.
-#if (!defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64) && !defined(HIPKV_PROBE)
+// In every head_dim's code object, since the HIP backend loads only the one of its cache's
+// head_dim; not in the issue model's probe objects (HIPKV_PROBE), which hold only `probe_block`.
+#if !defined(HIPKV_PROBE)
 namespace hipkv {
 
 // Rounds channel c of query row `row` to int8, as `quant::quantize_query` does, for a wave whose

@@ -477,8 +477,8 @@ HIPKV_DEV void write_residual(const hipkv_write_params &p) {
 
 }  // namespace hipkv
 
-#if !defined(HIPKV_HEAD_DIM) || HIPKV_HEAD_DIM == 64
-// copy_blocks: lane i of workgroup (pair, chunk) copies 16-byte words i, i + 32, ... of the
+// copy_blocks (in every head_dim's code object, since the HIP backend loads only the one of its
+// cache's head_dim): lane i of workgroup (pair, chunk) copies 16-byte words i, i + 32, ... of the
 // chunk's 4 KiB (blocks are 16-byte multiples). A pair naming a block outside the layout copies
 // nothing.
 HIPKV_KERNEL(hipkv_copy_blocks, hipkv_copy_params) {
@@ -499,7 +499,6 @@ HIPKV_KERNEL(hipkv_copy_blocks, hipkv_copy_params) {
     for (uint64_t at = begin + 16 * hipkv::lane_id(); at < end; at += 16 * HIPKV_WAVE)
         memcpy(to + at, from + at, 16);
 }
-#endif
 
 // hipkv_write_<format>_d<head_dim>, hipkv_write_residual_d<head_dim>
 #define HIPKV_WRITE(NAME, F, D)                                        \

@@ -168,11 +168,20 @@ pub fn parse(code_object: &[u8]) -> Result<Vec<KernelResources>> {
 }
 
 /// The resources of every kernel in every code object embedded in this build
-/// ([`crate::kernels::code_objects`]); empty when none were built.
+/// ([`crate::kernels::code_objects`]), once per arch: the kernels that every head_dim's object
+/// holds (`hipkv_attn_prep`, `hipkv_attn_combine`, `hipkv_copy_blocks`) are the same code in
+/// each, and are listed from the first. Empty when none were built.
 pub fn embedded_kernels() -> Result<Vec<KernelResources>> {
-    let mut all = Vec::new();
+    let mut all: Vec<KernelResources> = Vec::new();
     for object in crate::kernels::code_objects() {
-        all.extend(parse(object.bytes)?);
+        for kernel in parse(object.bytes)? {
+            if !all
+                .iter()
+                .any(|k| k.arch == kernel.arch && k.name == kernel.name)
+            {
+                all.push(kernel);
+            }
+        }
     }
     Ok(all)
 }

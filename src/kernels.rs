@@ -42,6 +42,54 @@ pub fn code_objects_for(arch: &str) -> crate::Result<Vec<&'static CodeObject>> {
     Ok(found)
 }
 
+/// A kernel source in `hip/`: the HIP backend loads one code object of each, that of its cache's
+/// head_dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelSource {
+    /// `hip/attention.hip`: the attention kernels, `hipkv_attn_prep` and `hipkv_attn_combine`.
+    Attention,
+    /// `hip/write.hip`: the write kernels and `hipkv_copy_blocks`.
+    Write,
+}
+
+impl KernelSource {
+    /// The file stem of the source, which starts its code objects' names.
+    pub fn stem(self) -> &'static str {
+        match self {
+            KernelSource::Attention => "attention",
+            KernelSource::Write => "write",
+        }
+    }
+
+    /// The source that defines the kernel `name`.
+    pub fn of_kernel(name: &str) -> KernelSource {
+        if name.starts_with("hipkv_write") || name == "hipkv_copy_blocks" {
+            KernelSource::Write
+        } else {
+            KernelSource::Attention
+        }
+    }
+}
+
+/// The code object of `source` for `arch` and `head_dim`: the one the HIP backend loads for a
+/// cache of that head_dim, which must hold every kernel of that source it launches there.
+pub fn code_object_for(
+    arch: &str,
+    source: KernelSource,
+    head_dim: usize,
+) -> crate::Result<&'static CodeObject> {
+    let tag = format!(".d{head_dim}.");
+    code_objects_for(arch)?
+        .into_iter()
+        .find(|o| o.source.starts_with(source.stem()) && o.source.contains(&tag))
+        .ok_or_else(|| {
+            crate::Error::Unsupported(format!(
+                "head_dim {head_dim} on {arch} (no {} code object for it)",
+                source.stem()
+            ))
+        })
+}
+
 /// Why no code objects were built (`None` when they were).
 pub fn gpu_build_skipped() -> Option<&'static str> {
     SKIPPED

@@ -5,8 +5,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use hipkv::codeobj::{KernelResources, embedded_kernels, resource_table};
-use hipkv::kernels::{attention_kernel_name, code_objects, gpu_build_skipped, write_kernel_name};
+use hipkv::codeobj::{KernelResources, embedded_kernels, parse, resource_table};
+use hipkv::kernels::{
+    KernelSource, attention_kernel_name, code_object_for, code_objects, gpu_build_skipped,
+    write_kernel_name,
+};
 use hipkv::scheme::{HEAD_DIMS, KERNEL_FORMATS as FORMATS};
 
 #[path = "common/toolchain.rs"]
@@ -97,6 +100,46 @@ fn every_write_kernel_is_built() {
         &kernels,
         missing.is_empty(),
         format!("missing kernels: {missing:?}"),
+    );
+}
+
+/// The HIP backend loads one code object per kernel source, that of its cache's head_dim, and
+/// looks up every kernel it launches there in the object of that kernel's source: each object
+/// must hold them all, the kernels shared by every head_dim (`hipkv_attn_prep`,
+/// `hipkv_attn_combine`, `hipkv_copy_blocks`) included.
+#[test]
+fn each_head_dims_code_objects_hold_every_kernel_launched_there() {
+    let Some(kernels) = gfx1201_kernels() else {
+        return;
+    };
+    let mut missing = Vec::new();
+    for d in HEAD_DIMS {
+        let pairs = FORMATS
+            .iter()
+            .flat_map(|k| FORMATS.iter().map(move |v| (k, v)))
+            .map(|(k, v)| attention_kernel_name(k.parse().unwrap(), v.parse().unwrap(), d));
+        let writes = FORMATS
+            .iter()
+            .map(|f| write_kernel_name(f.parse().unwrap(), d));
+        let shared = ["hipkv_attn_prep", "hipkv_attn_combine", "hipkv_copy_blocks"];
+        let launched: Vec<String> = pairs
+            .chain(writes)
+            .chain([format!("hipkv_write_residual_d{d}")])
+            .chain(shared.map(String::from))
+            .collect();
+        for name in launched {
+            let object = code_object_for(ARCH, KernelSource::of_kernel(&name), d)
+                .expect("every source has an object per head_dim");
+            let held = parse(object.bytes).expect("the embedded code objects parse");
+            if !held.iter().any(|k| k.name == name) {
+                missing.push(format!("{name} in {}", object.source));
+            }
+        }
+    }
+    check(
+        &kernels,
+        missing.is_empty(),
+        format!("kernels missing from the object the backend looks in: {missing:?}"),
     );
 }
 

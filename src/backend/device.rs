@@ -19,7 +19,7 @@ use crate::hip::{
     Device, DeviceBuffer, DeviceCopy, Event, Module, StreamHandle, count_allocation, count_copy,
     count_synchronization, runtime,
 };
-use crate::kernels::{attention_kernel_name, code_objects_for, write_kernel_name};
+use crate::kernels::{KernelSource, attention_kernel_name, code_object_for, write_kernel_name};
 use crate::paged::{AttendPlan, Layout};
 use crate::rope::RopeTable;
 use crate::scheme::{Format, Stream, StreamLayout};
@@ -370,10 +370,9 @@ impl Launch for HipGpu {
             return Ok(());
         }
         self.bind()?;
-        let module = if name.starts_with("hipkv_write") || name == "hipkv_copy_blocks" {
-            &self.write
-        } else {
-            &self.attention
+        let module = match KernelSource::of_kernel(name) {
+            KernelSource::Attention => &self.attention,
+            KernelSource::Write => &self.write,
         };
         let function = module.function(name)?;
         // SAFETY: the caller's contract.
@@ -489,24 +488,13 @@ impl HipGpu {
                 backend: "hip",
                 why: status.obstacle().unwrap_or_default(),
             })?;
-        let objects = code_objects_for(&device.arch)?;
         runtime()?.set_device(device.ordinal)?;
-        let tag = format!(".d{head_dim}.");
-        let load = |stem: &str| -> Result<Module> {
-            let object = objects
-                .iter()
-                .find(|o| o.source.starts_with(stem) && o.source.contains(&tag))
-                .ok_or_else(|| {
-                    Error::Unsupported(format!(
-                        "head_dim {head_dim} on {} (no {stem} code object for it)",
-                        device.arch
-                    ))
-                })?;
-            Module::load(object)
+        let load = |source: KernelSource| -> Result<Module> {
+            Module::load(code_object_for(&device.arch, source, head_dim)?)
         };
         Ok(HipGpu {
-            attention: load("attention")?,
-            write: load("write")?,
+            attention: load(KernelSource::Attention)?,
+            write: load(KernelSource::Write)?,
             device,
         })
     }

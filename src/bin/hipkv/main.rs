@@ -721,9 +721,16 @@ no instruction census: {why}"
             return Ok(());
         }
     };
+    // Once per arch, as in the resource table: every head_dim's object holds the same
+    // `hipkv_attn_prep`, `hipkv_attn_combine` and `hipkv_copy_blocks`.
     let mut counted = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for object in objects {
-        counted.extend(census::of_code_object(&tool, object)?);
+        for (name, counts) in census::of_code_object(&tool, object)? {
+            if seen.insert((object.arch, name.clone())) {
+                counted.push((name, counts));
+            }
+        }
     }
     println!(
         "
