@@ -33,9 +33,18 @@ constexpr int kLaneChannels =
 
 constexpr float kInf = __builtin_huge_valf();
 
+// The two bytes of `v` at `p` (any alignment), low byte first.
 HIPKV_DEV void store_u16(uint8_t *p, uint16_t v) {
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
+    uint32_t w = v;
+#if defined(__CUDA_ARCH__)
+    // ptxas (CUDA 12.6 and 13.0, sm_90) turns the byte store of a register that holds a
+    // `cvt.rn.f16.f32` result into a numeric f16 -> u8 conversion (F2I.U8.F16.TRUNC), which
+    // stored 0 for the low byte of every scale below 1. A 32-bit integer register keeps the
+    // bits (scripts/cuda/device-check.sh found it; tests/device_cache.rs compares the bytes).
+    asm volatile("" : "+r"(w));
+#endif
+    p[0] = (uint8_t)w;
+    p[1] = (uint8_t)(w >> 8);
 }
 
 // Maximum and minimum over aligned segments of `width` lanes (a power of two up to 32).

@@ -44,7 +44,14 @@ namespace hipkv {
 
 // log2 of a power of two: channel groups are powers of two, and a shift costs one instruction
 // where a division by a run-time value costs dozens (and registers).
-HIPKV_HD uint32_t log2_pow2(uint32_t x) { return (uint32_t)__builtin_ctz(x); }
+// (nvcc has no __builtin_ctz in device code: `__ffs` is its count of trailing zeros plus one.)
+HIPKV_HD uint32_t log2_pow2(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+    return (uint32_t)(__ffs((int)x) - 1);
+#else
+    return (uint32_t)__builtin_ctz(x);
+#endif
+}
 
 HIPKV_LOAD_HD uint16_t load_u16(const uint8_t *p) {
     return (uint16_t)(read_global(p) | (read_global(p + 1) << 8));

@@ -63,7 +63,7 @@
 // time for nothing on a memory-bound kernel.
 // The token loop of the values stays rolled in the issue model's probes too (attention.hip's
 // `probe_block`), whose other loops are unrolled so that each instruction executes once.
-#if defined(__clang__)
+#if defined(__clang__) || defined(__CUDA_ARCH__)
 #define HIPKV_ROLLED_TOKENS _Pragma("unroll 1")
 #if defined(HIPKV_PROBE)
 #define HIPKV_ROLLED _Pragma("unroll")
