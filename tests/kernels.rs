@@ -1,15 +1,18 @@
-//! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`) on
-//! a cache the write kernels filled, against the naive f64 reference over the same cache bytes:
+//! Differential tests of the HIP attention kernels, run by the SIMT emulator (`Backend::Emu`;
+//! a GPU with `HIPKV_TEST_BACKEND=hip`, see `common::kernel_backend`) on a cache the write kernels
+//! filled, against the naive f64 reference over the same cache bytes:
 //! every key × value format pair, head_dim 64/128/256, GQA 1–16, empty and partial pages, sinks,
 //! outliers, RoPE before and after quantization, codebooks, integer-query scores, long contexts
 //! with many splits and batches of sequences.
 
 mod common;
 
-use common::{assert_outputs_close, config, fill, naive_attend, queries, with_rope};
+use common::{
+    assert_outputs_close, config, fill, kernel_backend, naive_attend, queries, with_rope,
+};
 use hipkv::scheme::KERNEL_FORMATS as FORMATS;
 use hipkv::synth::Rng;
-use hipkv::{Backend, CacheConfig, KvCache, RopeLayout};
+use hipkv::{CacheConfig, KvCache, RopeLayout};
 
 /// The kernels compute what the reference computes up to summation order, the `log2(e)` folding
 /// of the softmax and the per-group folding of scales and minimums: within 1e-5 of each output
@@ -31,7 +34,7 @@ fn check_windowed(cfg: CacheConfig, lens: &[usize], seed: u64, window: Option<us
     cache.set_sliding_window(0, window).unwrap();
     // The write kernels store the tokens (tests/append.rs checks their bytes), then the
     // attention kernels read them: the device path end to end.
-    cache.set_backend(Backend::Emu).unwrap();
+    cache.set_backend(kernel_backend()).unwrap();
     for (s, &len) in lens.iter().enumerate() {
         fill(&mut cache, s, len, 13, &mut rng);
     }
@@ -207,10 +210,10 @@ fn an_empty_split_and_sequences_of_one_token() {
 /// The integer-query scores (`iq`): dot4 over the rounded query's codes in the kernels' order.
 #[test]
 fn integer_query_attends_with_the_rounded_query() {
-    common::check_integer_query(Backend::Emu);
+    common::check_integer_query(kernel_backend());
 }
 
 #[test]
 fn outlier_corrections_on_heavy_tailed_data() {
-    common::check_heavy_tailed_outliers(Backend::Emu);
+    common::check_heavy_tailed_outliers(kernel_backend());
 }

@@ -8,6 +8,7 @@
 //! `HIPKV_SWEEP_CONFIGS` sets how many (default 1000), `HIPKV_SWEEP_SEED` the first seed
 //! (default 1). A failure prints the seed and the configuration; replay it alone with
 //! `HIPKV_SWEEP_SEED=<seed> HIPKV_SWEEP_CONFIGS=1 cargo test --release --test sweep`.
+//! `HIPKV_TEST_BACKEND=hip` runs the sweep on a GPU instead (`common::kernel_backend`).
 
 mod common;
 
@@ -18,7 +19,7 @@ use hipkv::paged::{DType, Layout, LayoutSpec};
 use hipkv::quant::OutlierThresholds;
 use hipkv::scheme::KERNEL_FORMATS as FORMATS;
 use hipkv::synth::Rng;
-use hipkv::{Backend, Rope, RopeLayout, Scheme, Stream};
+use hipkv::{Rope, RopeLayout, Scheme, Stream};
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -155,7 +156,7 @@ fn run(seed: u64, c: &Config) {
         }),
     })
     .unwrap_or_else(|e| panic!("{what}: {e}"));
-    let mut rig = Rig::new(layout, 1, Backend::Emu, 300);
+    let mut rig = Rig::new(layout, 1, common::kernel_backend(), 300);
     let mut rng = Rng::new(seed ^ 0x5eed);
     if let Some(o) = c.scheme.outliers {
         let (h, d) = (c.kv_heads, c.head_dim);

@@ -7,6 +7,24 @@ use hipkv::quant::Codebook;
 use hipkv::synth::Rng;
 use hipkv::{Backend, CacheConfig, KvCache, LowBits, Query, Rope, RopeLayout, RopeTable, Scheme};
 
+/// The device backend that the kernels' differential tests (tests/kernels.rs, tests/sweep.rs)
+/// run on: the SIMT emulator, or the HIP runtime's GPU when `HIPKV_TEST_BACKEND=hip` (as
+/// `scripts/cuda/device-check.sh` runs them on an NVIDIA GPU through `hip_on_cuda`). Asking for
+/// a GPU where none is usable fails rather than testing the emulator twice.
+pub fn kernel_backend() -> Backend {
+    match std::env::var("HIPKV_TEST_BACKEND").as_deref() {
+        Err(_) | Ok("emu") => Backend::Emu,
+        Ok("hip") => {
+            let status = hipkv::backend::HipStatus::probe();
+            if let Some(why) = status.obstacle() {
+                panic!("HIPKV_TEST_BACKEND=hip, but no GPU is usable: {why}");
+            }
+            Backend::Hip
+        }
+        Ok(other) => panic!("HIPKV_TEST_BACKEND={other}: expected emu or hip"),
+    }
+}
+
 pub fn config(
     scheme: &str,
     kv_heads: usize,
