@@ -984,10 +984,53 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
     }
 }
 
-// hipkv_attn_combine: grid (tokens × q_heads), one wave per output row, lanes over channels:
+// hipkv_attn_combine: grid (tokens × q_heads), one wave per output row:
 // `Σ 2^(m_s − M)·acc_s / Σ 2^(m_s − M)·l_s` over the splits with `l_s > 0` (0 when none has
 // any: a skipped sequence), rotated back by H/√d when values are stored rotated, written in the
-// output dtype.
+// output dtype. Lanes run over the splits for M and the denominator, then over the channels,
+// with the splits' weights in LDS a chunk at a time: each split's partial row is then a
+// coalesced load that no other load waits for, where a lane walking the splits' max and sum
+// one by one waited on memory once per split (290 µs of a 340 µs step on an H200 at 16k,
+// docs/performance.md).
+namespace hipkv {
+
+constexpr uint32_t kCombineChunk = 8 * HIPKV_WAVE;
+constexpr int kCombineLaneChannels = HIPKV_MAX_HEAD_DIM / HIPKV_WAVE;
+
+// Σ_s w_s·acc_s for one output row of head_dim L·32, lane l holding channels l + 32·i: the
+// weights `2^(m_s − M)` (0 for a split without tokens) go to LDS a chunk at a time, and every
+// trip of the unrolled split loop loads its partial row with no branch between the loads.
+template <int L>
+HIPKV_DEV void combine_channels(const hipkv_attn_params &p, size_t base, size_t stride,
+                                float m, float weights[kCombineChunk],
+                                float out[kCombineLaneChannels]) {
+    constexpr uint32_t d = L * HIPKV_WAVE;
+    const uint32_t lane = lane_id();
+    for (int i = 0; i < L; ++i) out[i] = 0.0f;
+    for (uint32_t s0 = 0; s0 < p.splits; s0 += kCombineChunk) {
+        const uint32_t n = p.splits - s0 < kCombineChunk ? p.splits - s0 : kCombineChunk;
+        wave_sync();  // the last chunk's weights have been read
+        for (uint32_t k = lane; k < n; k += HIPKV_WAVE) {
+            const size_t at = base + (s0 + k) * stride;
+            weights[k] = p.partial_sum[at] > 0.0f ? exp2(p.partial_max[at] - m) : 0.0f;
+        }
+        wave_sync();
+        // An empty split's row was never written: its zero weight selects it out (0·NaN is
+        // NaN).
+        HIPKV_UNROLL(8)
+        for (uint32_t k = 0; k < n; ++k) {
+            const float w = weights[k];
+            const float *acc = p.partial_acc + (base + (s0 + k) * stride) * d;
+            for (int i = 0; i < L; ++i) {
+                const float a = acc[lane + (uint32_t)i * HIPKV_WAVE];
+                out[i] += w != 0.0f ? w * a : 0.0f;
+            }
+        }
+    }
+}
+
+}  // namespace hipkv
+
 HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     const hipkv_paged_geometry &g = p.g;
     const uint32_t q_heads = g.kv_heads * g.gqa;
@@ -995,45 +1038,51 @@ HIPKV_KERNEL(hipkv_attn_combine, hipkv_attn_params) {
     if (row >= p.tokens * q_heads) return;
     const uint32_t token = row / q_heads, qh = row % q_heads;
     const uint32_t head = qh / g.gqa, j = qh % g.gqa, d = g.head_dim;
+    const uint32_t lane = hipkv::lane_id();
     const size_t stride = (size_t)p.tokens * g.gqa;
     const size_t base = (size_t)head * p.splits * stride + (size_t)token * g.gqa + j;
     float m = -__builtin_huge_valf();
-    for (uint32_t s = 0; s < p.splits; ++s)
+    for (uint32_t s = lane; s < p.splits; s += HIPKV_WAVE)
         if (p.partial_sum[base + s * stride] > 0.0f) m = fmaxf(m, p.partial_max[base + s * stride]);
+    m = hipkv::wave_max(m);
     float total = 0.0f;
-    for (uint32_t s = 0; s < p.splits; ++s) {
+    for (uint32_t s = lane; s < p.splits; s += HIPKV_WAVE) {
         const size_t at = base + s * stride;
         if (p.partial_sum[at] > 0.0f) total += hipkv::exp2(p.partial_max[at] - m) * p.partial_sum[at];
     }
+    total = hipkv::wave_sum(total);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const auto store = [&](uint32_t c, float o) {
+    __shared__ float weights[hipkv::kCombineChunk];
+    float o[hipkv::kCombineLaneChannels];
+    if (d == 64)
+        hipkv::combine_channels<64 / HIPKV_WAVE>(p, base, stride, m, weights, o);
+    else if (d == 128)
+        hipkv::combine_channels<128 / HIPKV_WAVE>(p, base, stride, m, weights, o);
+    else
+        hipkv::combine_channels<256 / HIPKV_WAVE>(p, base, stride, m, weights, o);
+    const auto store = [&](uint32_t c, float v) {
         const size_t out = (size_t)row * d + c;
         if (p.dtype == HIPKV_DTYPE_F16)
-            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_half(o);
+            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_half(v);
         else if (p.dtype == HIPKV_DTYPE_BF16)
-            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_bf16(o);
+            static_cast<uint16_t *>(p.out)[out] = hipkv::float_to_bf16(v);
         else
-            static_cast<float *>(p.out)[out] = o;
+            static_cast<float *>(p.out)[out] = v;
     };
     // Rotated values: the output is rotated back, H·Σ p·(Hv) = Σ p·v (in f64: formats.h).
     const bool rotate = g.rotate & 2u;
     __shared__ double rotated[HIPKV_MAX_HEAD_DIM];
-    for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) {
-        float o = 0.0f;
-        for (uint32_t s = 0; s < p.splits; ++s) {
-            const size_t at = base + s * stride;
-            if (p.partial_sum[at] > 0.0f)
-                o += hipkv::exp2(p.partial_max[at] - m) * p.partial_acc[at * d + c];
-        }
-        o *= inv;
+    for (int i = 0; i < hipkv::kCombineLaneChannels; ++i) {
+        if ((uint32_t)i * HIPKV_WAVE >= d) break;
+        const uint32_t c = lane + (uint32_t)i * HIPKV_WAVE;
         if (rotate)
-            rotated[c] = o;
+            rotated[c] = o[i] * inv;
         else
-            store(c, o);
+            store(c, o[i] * inv);
     }
     if (rotate) {
         hipkv::hadamard_wave(rotated, d);
-        for (uint32_t c = hipkv::lane_id(); c < d; c += HIPKV_WAVE) store(c, (float)rotated[c]);
+        for (uint32_t c = lane; c < d; c += HIPKV_WAVE) store(c, (float)rotated[c]);
     }
 }
 #endif

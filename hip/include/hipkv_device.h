@@ -75,6 +75,14 @@
 #define HIPKV_ROLLED_TOKENS HIPKV_ROLLED
 #endif
 
+// Unrolls a loop of independent loads N times, so that N of them are in flight at once.
+#define HIPKV_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__) || defined(__CUDA_ARCH__)
+#define HIPKV_UNROLL(N) HIPKV_PRAGMA(unroll N)
+#else
+#define HIPKV_UNROLL(N) HIPKV_PRAGMA(GCC unroll N)
+#endif
+
 namespace hipkv {
 
 // IEEE binary16 bits to float, exact for every input (subnormals, infinities, NaN).
