@@ -117,6 +117,10 @@ std::string cuda_module_for(const unsigned char *image) {
     return {};
 }
 
+// HIP's opaque handles are CUDA's, carried in the same pointer.
+CUstream cu(hipStream_t s) { return reinterpret_cast<CUstream>(s); }
+CUevent cu(hipEvent_t e) { return reinterpret_cast<CUevent>(e); }
+
 void copy_text(char *field, size_t size, const char *text) {
     std::strncpy(field, text, size - 1);
     field[size - 1] = '\0';
@@ -214,13 +218,13 @@ hipError_t hipStreamCreate(hipStream_t *stream) {
 
 hipError_t hipStreamDestroy(hipStream_t stream) {
     BIND();
-    CU(cuStreamDestroy(reinterpret_cast<CUstream>(stream)));
+    CU(cuStreamDestroy(cu(stream)));
     return hipSuccess;
 }
 
 hipError_t hipStreamSynchronize(hipStream_t stream) {
     BIND();
-    CU(cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
+    CU(cuStreamSynchronize(cu(stream)));
     return hipSuccess;
 }
 
@@ -234,25 +238,25 @@ hipError_t hipEventCreate(hipEvent_t *event) {
 
 hipError_t hipEventRecord(hipEvent_t event, hipStream_t stream) {
     BIND();
-    CU(cuEventRecord(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream)));
+    CU(cuEventRecord(cu(event), cu(stream)));
     return hipSuccess;
 }
 
 hipError_t hipEventDestroy(hipEvent_t event) {
     BIND();
-    CU(cuEventDestroy(reinterpret_cast<CUevent>(event)));
+    CU(cuEventDestroy(cu(event)));
     return hipSuccess;
 }
 
 hipError_t hipEventSynchronize(hipEvent_t event) {
     BIND();
-    CU(cuEventSynchronize(reinterpret_cast<CUevent>(event)));
+    CU(cuEventSynchronize(cu(event)));
     return hipSuccess;
 }
 
 hipError_t hipEventElapsedTime(float *ms, hipEvent_t start, hipEvent_t stop) {
     BIND();
-    CU(cuEventElapsedTime(ms, reinterpret_cast<CUevent>(start), reinterpret_cast<CUevent>(stop)));
+    CU(cuEventElapsedTime(ms, cu(start), cu(stop)));
     return hipSuccess;
 }
 
@@ -293,7 +297,7 @@ hipError_t hipMemcpyAsync(void *dst, const void *src, size_t n, hipMemcpyKind ki
     if (n == 0) return hipSuccess;
     const auto d = reinterpret_cast<CUdeviceptr>(dst);
     const auto s = reinterpret_cast<CUdeviceptr>(src);
-    const auto q = reinterpret_cast<CUstream>(stream);
+    const auto q = cu(stream);
     switch (kind) {
         case hipMemcpyHostToDevice: CU(cuMemcpyHtoDAsync(d, src, n, q)); break;
         case hipMemcpyDeviceToHost: CU(cuMemcpyDtoHAsync(dst, s, n, q)); break;
@@ -314,7 +318,7 @@ hipError_t hipMemsetAsync(void *dst, int value, size_t n, hipStream_t stream) {
     BIND();
     if (n == 0) return hipSuccess;
     CU(cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), (unsigned char)value, n,
-                       reinterpret_cast<CUstream>(stream)));
+                       cu(stream)));
     return hipSuccess;
 }
 
@@ -359,11 +363,11 @@ hipError_t hipModuleLaunchKernel(hipFunction_t f, unsigned int gx, unsigned int 
                                  void **params, void **extra) {
     BIND();
     CU(cuLaunchKernel(reinterpret_cast<CUfunction>(f), gx, gy, gz, bx, by, bz, shared,
-                      reinterpret_cast<CUstream>(stream), params, extra));
+                      cu(stream), params, extra));
     // A kernel that faults reports it here in a checked build (HIPKV_CUDA_SYNC=1), at the
     // launch that did it, rather than at a later copy.
     static const bool sync = std::getenv("HIPKV_CUDA_SYNC") != nullptr;
-    if (sync) CU(cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
+    if (sync) CU(cuStreamSynchronize(cu(stream)));
     return hipSuccess;
 }
 
