@@ -139,12 +139,8 @@ pub enum Backend {
     Hip,
 }
 
-/// The arithmetic the CPU backend runs on this machine: `"AVX2+FMA+F16C"` or `"portable"`
-/// (also what `HIPKV_CPU_SIMD=portable` forces).
+/// The arithmetic the CPU backend runs on this machine: `"AVX-512VL+VNNI (256-bit)"`,
+/// `"AVX2+FMA+F16C"` or `"portable"` (`HIPKV_CPU_SIMD=avx2` or `=portable` caps it).
 pub fn cpu_kernels() -> &'static str {
-    if simd::avx2_enabled() {
-        "AVX2+FMA+F16C"
-    } else {
-        "portable"
-    }
+    simd::Tier::detected().name()
 }

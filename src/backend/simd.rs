@@ -1,6 +1,7 @@
 //! The arithmetic of the CPU kernels, written once over an 8-lane vector type and compiled
-//! twice: a portable version and, on x86-64 CPUs that have them, one with AVX2, FMA and F16C,
-//! chosen at run time. Every packed format is decoded straight into a vector register, 8
+//! three times, chosen at run time (see [`Tier`]): a portable version; on x86-64 CPUs that have
+//! them, one with AVX2, FMA and F16C; and the same 256-bit code with AVX-512VL and VNNI enabled,
+//! for its 32 registers and `vpdpbusd`. Every packed format is decoded straight into a vector register, 8
 //! channels at a time, so dequantized values never go through memory. The 4-bit and 2-bit
 //! decoders read 8 bytes, 16 or 32 channels, per load and hand out 8 lanes of them in an
 //! interleaved order (see `nib8` and `crumb8`), which the attention loops follow.
@@ -393,16 +394,27 @@ impl Kernel for Portable {
     }
 }
 
-/// x86-64 with AVX2, FMA and F16C; only constructed after detecting them.
+/// x86-64 with AVX2, FMA and F16C, and with `AVX512` also AVX-512 F/VL/BW/DQ and VNNI; only
+/// constructed after detecting them. Both run the same 8-lane (256-bit) code: the AVX-512 build
+/// gains 32 vector registers instead of 16, which the register-blocked loops fill without
+/// spilling, and `vpdpbusd` for the integer dot products.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-pub(crate) struct Avx2(());
+pub(crate) struct X86<const AVX512: bool>(());
+
+/// [`X86`] with AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type Avx2 = X86<false>;
+
+/// [`X86`] with AVX-512 F/VL/BW/DQ and VNNI as well.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type Avx512 = X86<true>;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Avx2, EXP2_MIN, EXP2_POLY, Kernel, KernelFn, exp2_poly};
+    use super::{Avx2, Avx512, EXP2_MIN, EXP2_POLY, Kernel, KernelFn, X86, exp2_poly};
 
     /// The low (or, with `high`, the high) nibbles of 8 bytes, one per 32-bit lane.
     ///
@@ -422,10 +434,11 @@ mod avx2 {
         }
     }
 
-    // SAFETY (every `unsafe` block below): a value of `Avx2` exists only after AVX2, FMA and
-    // F16C were detected on this CPU (see `dispatch`); memory is accessed only where the caller
-    // of an `unsafe fn` guarantees it may be, or inside a slice whose length is checked first.
-    impl Kernel for Avx2 {
+    // SAFETY (every `unsafe` block below): a value of `X86` exists only after AVX2, FMA and
+    // F16C (and for `X86<true>` the AVX-512 features `with_avx512` enables) were detected on
+    // this CPU (see `dispatch`); memory is accessed only where the caller of an `unsafe fn`
+    // guarantees it may be, or inside a slice whose length is checked first.
+    impl<const AVX512: bool> Kernel for X86<AVX512> {
         #[inline(always)]
         fn run<R, F: KernelFn<R>>(self, f: F) -> R {
             // Not inlined: a caller with the same features would otherwise take it back in.
@@ -434,8 +447,20 @@ mod avx2 {
             fn with_avx2<R, F: KernelFn<R>>(k: Avx2, f: F) -> R {
                 f.call(k)
             }
-            // SAFETY: `self` proves that this CPU has what `with_avx2` enables.
-            unsafe { with_avx2(self, f) }
+            #[target_feature(
+                enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
+            )]
+            #[inline(never)]
+            fn with_avx512<R, F: KernelFn<R>>(k: Avx512, f: F) -> R {
+                f.call(k)
+            }
+            if AVX512 {
+                // SAFETY: `self` proves that this CPU has what `with_avx512` enables.
+                unsafe { with_avx512(X86(()), f) }
+            } else {
+                // SAFETY: `self` proves that this CPU has what `with_avx2` enables.
+                unsafe { with_avx2(X86(()), f) }
+            }
         }
 
         type V = __m256;
@@ -640,11 +665,17 @@ mod avx2 {
 
         #[inline(always)]
         fn dot_u8_i8(self, u: __m256i, s: __m256i) -> __m256 {
-            // SAFETY: see the module note; register-only. Pairs of products fit in 16 bits
+            // SAFETY: see the module note; register-only (`vpdpbusd` only where `AVX512`, whose
+            // `with_avx512` enables VNNI). Pairs of products fit in 16 bits
             // (`2 · 128 · 127 < 2^15`), so `maddubs` never saturates.
             unsafe {
-                let pairs = _mm256_maddubs_epi16(u, s);
-                _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+                let sums = if AVX512 {
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+                } else {
+                    let pairs = _mm256_maddubs_epi16(u, s);
+                    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+                };
+                _mm256_cvtepi32_ps(sums)
             }
         }
 
@@ -741,37 +772,95 @@ pub(crate) trait KernelFn<R> {
     fn call<K: Kernel>(self, k: K) -> R;
 }
 
-/// Runs `f` with the fastest arithmetic this CPU supports (`HIPKV_CPU_SIMD=portable` forces the
-/// portable one, which the tests use to check both).
-#[inline]
-pub(crate) fn dispatch<R, F: KernelFn<R>>(f: F) -> R {
-    #[cfg(target_arch = "x86_64")]
-    if avx2_enabled() {
-        // `avx2_enabled` checked that this CPU has what `Avx2` stands for.
-        return Avx2(()).run(f);
-    }
-    Portable.run(f)
+/// The instruction sets the CPU kernels can be built for, slowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Tier {
+    Portable,
+    /// [`Avx2`].
+    Avx2,
+    /// [`Avx512`].
+    Avx512,
 }
 
-/// Whether the AVX2/FMA/F16C kernels run here (detected once).
-pub(crate) fn avx2_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| {
+impl Tier {
+    /// The fastest tier this CPU has, capped by `HIPKV_CPU_SIMD` (`portable` or `avx2`; the
+    /// tests use it to check the slower builds on a machine that has a faster one). Detected
+    /// once.
+    pub(crate) fn detected() -> Tier {
+        static TIER: std::sync::OnceLock<Tier> = std::sync::OnceLock::new();
+        *TIER.get_or_init(|| {
+            let cap = match std::env::var("HIPKV_CPU_SIMD").as_deref() {
+                Ok("portable") => Tier::Portable,
+                Ok("avx2") => Tier::Avx2,
+                _ => Tier::Avx512,
+            };
+            Tier::of_this_cpu().min(cap)
+        })
+    }
+
+    fn of_this_cpu() -> Tier {
         #[cfg(target_arch = "x86_64")]
         {
-            std::env::var("HIPKV_CPU_SIMD").as_deref() != Ok("portable")
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
+            use std::is_x86_feature_detected as has;
+            if !(has!("avx2") && has!("fma") && has!("f16c")) {
+                return Tier::Portable;
+            }
+            if has!("avx512f")
+                && has!("avx512vl")
+                && has!("avx512bw")
+                && has!("avx512dq")
+                && has!("avx512vnni")
+            {
+                return Tier::Avx512;
+            }
+            Tier::Avx2
         }
         #[cfg(not(target_arch = "x86_64"))]
-        false
-    })
+        Tier::Portable
+    }
+
+    /// What the kernels of this tier are built for, as `hipkv info` and `hipkv bench` print it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Tier::Portable => "portable",
+            Tier::Avx2 => "AVX2+FMA+F16C",
+            Tier::Avx512 => "AVX-512VL+VNNI (256-bit)",
+        }
+    }
+}
+
+/// Runs `f` with the fastest arithmetic this CPU supports (see [`Tier::detected`]).
+#[inline]
+pub(crate) fn dispatch<R, F: KernelFn<R>>(f: F) -> R {
+    match Tier::detected() {
+        // `Tier::detected` checked that this CPU has what `Avx512` and `Avx2` stand for.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => X86::<true>(()).run(f),
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => X86::<false>(()).run(f),
+        _ => Portable.run(f),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `make()` run on each build of the kernels this CPU has, portable first.
+    fn on_every_tier<R, F: KernelFn<R>>(make: impl Fn() -> F) -> Vec<(Tier, R)> {
+        let mut out = vec![(Tier::Portable, make().call(Portable))];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let best = Tier::of_this_cpu();
+            if best >= Tier::Avx2 {
+                out.push((Tier::Avx2, X86::<false>(()).run(make())));
+            }
+            if best >= Tier::Avx512 {
+                out.push((Tier::Avx512, X86::<true>(()).run(make())));
+            }
+        }
+        out
+    }
 
     /// Every primitive on fixed inputs, for comparing the two implementations.
     struct Primitives;
@@ -837,14 +926,16 @@ mod tests {
     }
 
     #[test]
-    fn dispatched_and_portable_primitives_agree() {
-        let fast = dispatch(Primitives);
-        let portable = Primitives.call(Portable);
-        for (i, (f, p)) in fast.iter().zip(&portable).enumerate() {
-            assert!(
-                (f - p).abs() <= 1e-6 * p.abs().max(1.0),
-                "value {i}: {f} vs {p}"
-            );
+    fn every_tiers_primitives_agree_with_the_portable_ones() {
+        let tiers = on_every_tier(|| Primitives);
+        let portable = &tiers[0].1;
+        for (tier, fast) in &tiers[1..] {
+            for (i, (f, p)) in fast.iter().zip(portable).enumerate() {
+                assert!(
+                    (f - p).abs() <= 1e-6 * p.abs().max(1.0),
+                    "{tier:?}, value {i}: {f} vs {p}"
+                );
+            }
         }
         // Decoded codes: int8, then 4-bit (low nibbles, high nibbles) and 2-bit (bits 0..2,
         // .., bits 6..8 of each byte, through the table `0.5 · code - 1`).
@@ -907,10 +998,7 @@ mod tests {
                 xs[1] = f32::NEG_INFINITY;
             }
             let want_sum: f64 = xs.iter().map(|&x| f64::from(x - 9.5).exp2()).sum();
-            for (m, sum, ys) in [
-                dispatch(SoftmaxBlock(xs.clone())),
-                SoftmaxBlock(xs.clone()).call(Portable),
-            ] {
+            for (_, (m, sum, ys)) in on_every_tier(|| SoftmaxBlock(xs.clone())) {
                 assert_eq!(m, 9.5, "n = {n}");
                 assert!(
                     ((f64::from(sum) - want_sum) / want_sum).abs() < 1e-6,
@@ -922,8 +1010,9 @@ mod tests {
                 }
             }
         }
-        let empty = dispatch(SoftmaxBlock(Vec::new()));
-        assert_eq!((empty.0, empty.1), (f32::NEG_INFINITY, 0.0));
+        for (tier, empty) in on_every_tier(|| SoftmaxBlock(Vec::new())) {
+            assert_eq!((empty.0, empty.1), (f32::NEG_INFINITY, 0.0), "{tier:?}");
+        }
     }
 
     struct Exp2(Vec<f32>);
@@ -937,23 +1026,28 @@ mod tests {
     #[test]
     fn exp2_is_accurate_on_the_softmax_range() {
         let xs: Vec<f32> = (0..20_001).map(|i| -(i as f32) * 0.006_25).collect();
-        for got in [dispatch(Exp2(xs.clone())), Exp2(xs.clone()).call(Portable)] {
+        for (_, got) in on_every_tier(|| Exp2(xs.clone())) {
             for (&x, &y) in xs.iter().zip(&got) {
                 let want = f64::from(x).exp2();
                 let rel = ((f64::from(y) - want) / want).abs();
                 assert!(rel < 2e-7, "2^{x}: {y} vs {want} (rel {rel:e})");
             }
         }
-        let special = dispatch(Exp2(vec![
-            f32::NEG_INFINITY,
-            -200.0,
-            0.0,
-            -1.0,
-            3.0,
-            -127.5,
-            -126.0,
-        ]));
-        assert_eq!(special, vec![0.0, 0.0, 1.0, 0.5, 8.0, 0.0, 2f32.powi(-126)]);
+        let special = || {
+            Exp2(vec![
+                f32::NEG_INFINITY,
+                -200.0,
+                0.0,
+                -1.0,
+                3.0,
+                -127.5,
+                -126.0,
+            ])
+        };
+        for (tier, got) in on_every_tier(special) {
+            let want = vec![0.0, 0.0, 1.0, 0.5, 8.0, 0.0, 2f32.powi(-126)];
+            assert_eq!(got, want, "{tier:?}");
+        }
     }
 
     /// The integer dot products of `iq` on fixed codes and queries: 32 packed bytes read as
@@ -1015,10 +1109,9 @@ mod tests {
             let mut want = lanes(&|p| i32::from(packed[p] as i8));
             want.extend(lanes(&|p| nibble(nib_channel(p))));
             want.extend(lanes(&|p| crumb(crumb_channel(p))));
-            let dots = IntegerDots { packed, query };
-            assert_eq!(dots.call(Portable), want, "portable, case {case}");
-            let dots = IntegerDots { packed, query };
-            assert_eq!(dispatch(dots), want, "dispatched, case {case}");
+            for (tier, got) in on_every_tier(|| IntegerDots { packed, query }) {
+                assert_eq!(got, want, "{tier:?}, case {case}");
+            }
         }
     }
 }
