@@ -165,13 +165,17 @@ impl Order {
         }
     }
 
-    /// Rows of `d` natural-order values put into this order: `out[p] = x[channel(p)]`.
+    /// Rows of `d` natural-order values put into this order: `out[p] = x[channel(p)]`. Runs
+    /// over the f16 value window every step, so it copies with constant strides per chunk.
     pub(super) fn permute(self, x: &[f32], d: usize, out: &mut Vec<f32>) {
+        assert!(d.is_multiple_of(32) && x.len().is_multiple_of(d));
         out.clear();
-        out.extend(
-            x.chunks_exact(d)
-                .flat_map(|row| (0..d).map(move |p| row[self.channel(p)])),
-        );
+        out.resize(x.len(), 0.0);
+        match self {
+            Order::Natural => out.copy_from_slice(x),
+            Order::Nibbles => gather_chunks::<2>(x, out),
+            Order::Crumbs => gather_chunks::<4>(x, out),
+        }
     }
 
     /// Rows of `d` values in this order put back into natural order, in place.
@@ -523,6 +527,20 @@ impl StreamBlock<'_> {
     }
 }
 
+/// In each chunk of `8 · LANES` values, `out[8j + i] = x[LANES · i + j]`: the order that
+/// decodes `LANES` vectors of 8 per load ([`Order::Nibbles`]: 2, [`Order::Crumbs`]: 4).
+#[inline(always)]
+fn gather_chunks<const LANES: usize>(x: &[f32], out: &mut [f32]) {
+    let chunk = 8 * LANES;
+    for (src, dst) in x.chunks_exact(chunk).zip(out.chunks_exact_mut(chunk)) {
+        for j in 0..LANES {
+            for i in 0..8 {
+                dst[8 * j + i] = src[LANES * i + j];
+            }
+        }
+    }
+}
+
 /// Splits `(scale, min)` pairs in natural channel order into scales and minimums in the order
 /// that decodes `LANES` vectors of 8 per load (1: [`Order::Natural`], 2: [`Order::Nibbles`],
 /// 4: [`Order::Crumbs`]): in each chunk of `8 · LANES` channels, position `8j + i` holds
@@ -551,6 +569,24 @@ pub(super) fn deinterleave<const LANES: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn permute_puts_rows_in_each_order_and_unpermute_undoes_it() {
+        let d = 64;
+        let x: Vec<f32> = (0..3 * d).map(|i| i as f32).collect();
+        for order in [Order::Natural, Order::Nibbles, Order::Crumbs] {
+            let mut out = vec![f32::NAN; 5];
+            order.permute(&x, d, &mut out);
+            assert_eq!(out.len(), x.len());
+            for (t, row) in out.chunks_exact(d).enumerate() {
+                for (p, &v) in row.iter().enumerate() {
+                    assert_eq!(v, x[t * d + order.channel(p)], "{order:?} row {t} at {p}");
+                }
+            }
+            order.unpermute(&mut out, d);
+            assert_eq!(out, x, "{order:?}");
+        }
+    }
 
     #[test]
     fn deinterleaved_parameters_follow_each_order() {
