@@ -166,7 +166,9 @@ impl Order {
     }
 
     /// Rows of `d` natural-order values put into this order: `out[p] = x[channel(p)]`. Runs
-    /// over the f16 value window every step, so it copies with constant strides per chunk.
+    /// over the f16 value window every step, so it copies with constant strides per chunk, in
+    /// the caller's instruction set.
+    #[inline(always)]
     pub(super) fn permute(self, x: &[f32], d: usize, out: &mut Vec<f32>) {
         assert!(d.is_multiple_of(32) && x.len().is_multiple_of(d));
         out.clear();
