@@ -139,7 +139,7 @@ pub enum Backend {
     Hip,
 }
 
-/// The arithmetic the CPU backend runs on this machine: `"AVX-512VL+VNNI (256-bit)"`,
+/// The arithmetic the CPU backend runs on this machine: `"AVX-512+VNNI"`,
 /// `"AVX2+FMA+F16C"` or `"portable"` (`HIPKV_CPU_SIMD=avx2` or `=portable` caps it).
 pub fn cpu_kernels() -> &'static str {
     simd::Tier::detected().name()

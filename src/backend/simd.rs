@@ -1,8 +1,10 @@
-//! The arithmetic of the CPU kernels, written once over an 8-lane vector type and compiled
-//! three times, chosen at run time (see [`Tier`]): a portable version; on x86-64 CPUs that have
-//! them, one with AVX2, FMA and F16C; and the same 256-bit code with AVX-512VL and VNNI enabled,
-//! for its 32 registers and `vpdpbusd`. Every packed format is decoded straight into a vector register, 8
-//! channels at a time, so dequantized values never go through memory. The 4-bit and 2-bit
+//! The arithmetic of the CPU kernels, written once over an 8-lane vector type (and a 16-lane
+//! one, [`Kernel::W`], for the score and value loops' multiply-adds) and compiled three times,
+//! chosen at run time (see [`Tier`]): a portable version; on x86-64 CPUs that have them, one
+//! with AVX2, FMA and F16C, where the 16 lanes are two 256-bit registers; and one with AVX-512
+//! F/VL/BW/DQ and VNNI enabled, for its 32 registers, `vpdpbusd`, and 512-bit registers as the
+//! 16 lanes. Every packed format is decoded straight into vector registers, 8 or 16 channels at
+//! a time, so dequantized values never go through memory. The 4-bit and 2-bit
 //! decoders read 8 bytes, 16 or 32 channels, per load and hand out 8 lanes of them in an
 //! interleaved order (see `nib8` and `crumb8`), which the attention loops follow.
 
@@ -63,6 +65,58 @@ pub(crate) trait Kernel: Copy {
     fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
     /// Scalar `a * b + c`, fused where the CPU can (never a slow software FMA).
     fn fma(self, a: f32, b: f32, c: f32) -> f32;
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+
+    /// Sixteen f32 lanes, two [`Kernel::V`] side by side: one 512-bit register in the
+    /// AVX-512 build (whose CPUs issue two 512-bit FMAs a cycle), a pair of `V` in the others.
+    /// The score and value loops multiply-add in it, so that one FMA covers 16 positions
+    /// where the CPU has them; the decoders stay 8 lanes wide.
+    type W: Copy;
+    /// Positions the value loop accumulates per pass: 16 (two 8-lane accumulators per query
+    /// row, what 16 registers hold) or 32 (two 16-lane ones, with 32 registers).
+    const VALUE_PASS: usize;
+    /// `lo` in lanes 0–7, `hi` in lanes 8–15.
+    fn join(self, lo: Self::V, hi: Self::V) -> Self::W;
+    fn wsplat(self, x: f32) -> Self::W;
+    /// Loads 16 floats.
+    ///
+    /// # Safety
+    /// `p` points to 16 readable floats (any alignment).
+    unsafe fn wload_ptr(self, p: *const f32) -> Self::W;
+    /// Stores 16 floats.
+    ///
+    /// # Safety
+    /// `p` points to 16 writable floats (any alignment).
+    unsafe fn wstore_ptr(self, w: Self::W, p: *mut f32);
+    /// `a * b + c`, fused where the CPU can.
+    fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
+    fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
+    /// `lo + hi`, lane by lane.
+    fn fold(self, w: Self::W) -> Self::V;
+    // Sixteen-lane decoders, each what two of the 8-lane ones below give, joined (the `# Safety`
+    // of those, for the bytes named here).
+    /// # Safety
+    /// `p` points to 32 readable bytes.
+    unsafe fn f16x16(self, p: *const u8) -> Self::W;
+    /// # Safety
+    /// `p` points to 16 readable bytes.
+    unsafe fn i8x16(self, p: *const u8) -> Self::W;
+    /// `nib8(p, false)` in lanes 0–7, `nib8(p, true)` in lanes 8–15.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes.
+    unsafe fn nib16(self, p: *const u8) -> Self::W;
+    /// `scale · nib16(p) + min`, each lane one fused multiply-add as [`Kernel::fmadd`] rounds it.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes.
+    unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> Self::W;
+    /// `crumb8(p, 2·pass, table)` in lanes 0–7, `crumb8(p, 2·pass + 1, table)` in lanes 8–15
+    /// (`pass < 2`).
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes.
+    unsafe fn crumb16(self, p: *const u8, pass: u32, table: Self::V) -> Self::W;
 
     // The decoders below read packed data straight from a page.
     //
@@ -210,6 +264,98 @@ fn exp2_poly<K: Kernel>(k: K, x: f32) -> f32 {
     f32::from_bits((y.to_bits() as i32 + ((i as i32) << 23)) as u32)
 }
 
+/// [`Kernel::W`] as a pair of 8-lane vectors `$v`, for the builds without 16-lane vectors:
+/// the same instructions as two 8-lane loops.
+macro_rules! wide_as_pairs {
+    ($v:ty) => {
+        type W = [$v; 2];
+        const VALUE_PASS: usize = 16;
+
+        #[inline(always)]
+        fn join(self, lo: $v, hi: $v) -> [$v; 2] {
+            [lo, hi]
+        }
+
+        #[inline(always)]
+        fn wsplat(self, x: f32) -> [$v; 2] {
+            [Kernel::splat(self, x); 2]
+        }
+
+        #[inline(always)]
+        unsafe fn wload_ptr(self, p: *const f32) -> [$v; 2] {
+            // SAFETY: the caller guarantees 16 readable floats.
+            unsafe { [Kernel::load_ptr(self, p), Kernel::load_ptr(self, p.add(8))] }
+        }
+
+        #[inline(always)]
+        unsafe fn wstore_ptr(self, w: [$v; 2], p: *mut f32) {
+            // SAFETY: the caller guarantees 16 writable floats.
+            unsafe {
+                Kernel::store_ptr(self, w[0], p);
+                Kernel::store_ptr(self, w[1], p.add(8));
+            }
+        }
+
+        #[inline(always)]
+        fn wfmadd(self, a: [$v; 2], b: [$v; 2], c: [$v; 2]) -> [$v; 2] {
+            [
+                Kernel::fmadd(self, a[0], b[0], c[0]),
+                Kernel::fmadd(self, a[1], b[1], c[1]),
+            ]
+        }
+
+        #[inline(always)]
+        fn wmul(self, a: [$v; 2], b: [$v; 2]) -> [$v; 2] {
+            [Kernel::mul(self, a[0], b[0]), Kernel::mul(self, a[1], b[1])]
+        }
+
+        #[inline(always)]
+        fn fold(self, w: [$v; 2]) -> $v {
+            Kernel::add(self, w[0], w[1])
+        }
+
+        #[inline(always)]
+        unsafe fn f16x16(self, p: *const u8) -> [$v; 2] {
+            // SAFETY: the caller guarantees 32 readable bytes.
+            unsafe { [Kernel::f16x8(self, p), Kernel::f16x8(self, p.add(16))] }
+        }
+
+        #[inline(always)]
+        unsafe fn i8x16(self, p: *const u8) -> [$v; 2] {
+            // SAFETY: the caller guarantees 16 readable bytes.
+            unsafe { [Kernel::i8x8(self, p), Kernel::i8x8(self, p.add(8))] }
+        }
+
+        #[inline(always)]
+        unsafe fn nib16(self, p: *const u8) -> [$v; 2] {
+            // SAFETY: the caller guarantees 8 readable bytes.
+            unsafe { [Kernel::nib8(self, p, false), Kernel::nib8(self, p, true)] }
+        }
+
+        #[inline(always)]
+        unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> [$v; 2] {
+            let (scale, min) = (Kernel::splat(self, scale), Kernel::splat(self, min));
+            // SAFETY: the caller guarantees 8 readable bytes.
+            let [lo, hi] = unsafe { [Kernel::nib8(self, p, false), Kernel::nib8(self, p, true)] };
+            [
+                Kernel::fmadd(self, lo, scale, min),
+                Kernel::fmadd(self, hi, scale, min),
+            ]
+        }
+
+        #[inline(always)]
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: $v) -> [$v; 2] {
+            // SAFETY: the caller guarantees 8 readable bytes.
+            unsafe {
+                [
+                    Kernel::crumb8(self, p, 2 * pass, table),
+                    Kernel::crumb8(self, p, 2 * pass + 1, table),
+                ]
+            }
+        }
+    };
+}
+
 /// Any CPU: plain arrays the compiler may vectorize, separate multiply and add.
 #[derive(Clone, Copy)]
 pub(crate) struct Portable;
@@ -309,6 +455,13 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
+    fn add(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+
+    wide_as_pairs!([f32; 8]);
+
+    #[inline(always)]
     unsafe fn f16x8(self, p: *const u8) -> [f32; 8] {
         // SAFETY: the caller guarantees 16 readable bytes.
         let b = unsafe { p.cast::<[u8; 16]>().read_unaligned() };
@@ -395,9 +548,10 @@ impl Kernel for Portable {
 }
 
 /// x86-64 with AVX2, FMA and F16C, and with `AVX512` also AVX-512 F/VL/BW/DQ and VNNI; only
-/// constructed after detecting them. Both run the same 8-lane (256-bit) code: the AVX-512 build
-/// gains 32 vector registers instead of 16, which the register-blocked loops fill without
-/// spilling, and `vpdpbusd` for the integer dot products.
+/// constructed after detecting them. Both run the same code: the AVX-512 build gains 32 vector
+/// registers instead of 16, which the register-blocked loops fill without spilling, 512-bit
+/// multiply-adds in the score and value loops (each 16-lane [`Kernel::W`] one register, not
+/// two), and `vpdpbusd` for the integer dot products.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct X86<const AVX512: bool>(());
@@ -438,7 +592,180 @@ mod avx2 {
     // F16C (and for `X86<true>` the AVX-512 features `with_avx512` enables) were detected on
     // this CPU (see `dispatch`); memory is accessed only where the caller of an `unsafe fn`
     // guarantees it may be, or inside a slice whose length is checked first.
-    impl<const AVX512: bool> Kernel for X86<AVX512> {
+    /// [`Kernel::W`] and its operations per build: the type depends on `AVX512`, which one
+    /// generic `impl Kernel` cannot express.
+    pub(crate) trait Wide: Copy {
+        type W: Copy;
+        const VALUE_PASS: usize;
+        fn join(self, lo: __m256, hi: __m256) -> Self::W;
+        fn wsplat(self, x: f32) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::wload_ptr`].
+        unsafe fn wload_ptr(self, p: *const f32) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::wstore_ptr`].
+        unsafe fn wstore_ptr(self, w: Self::W, p: *mut f32);
+        fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
+        fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
+        fn fold(self, w: Self::W) -> __m256;
+        /// # Safety
+        /// As [`Kernel::f16x16`].
+        unsafe fn f16x16(self, p: *const u8) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::i8x16`].
+        unsafe fn i8x16(self, p: *const u8) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::nib16`].
+        unsafe fn nib16(self, p: *const u8) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::nib16_scaled`].
+        unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::crumb16`].
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m256) -> Self::W;
+    }
+
+    impl Wide for Avx2 {
+        wide_as_pairs!(__m256);
+    }
+
+    impl Wide for Avx512 {
+        type W = __m512;
+        const VALUE_PASS: usize = 32;
+
+        #[inline(always)]
+        fn join(self, lo: __m256, hi: __m256) -> __m512 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm512_insertf32x8::<1>(_mm512_castps256_ps512(lo), hi) }
+        }
+
+        #[inline(always)]
+        fn wsplat(self, x: f32) -> __m512 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm512_set1_ps(x) }
+        }
+
+        #[inline(always)]
+        unsafe fn wload_ptr(self, p: *const f32) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees 16 readable floats.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+
+        #[inline(always)]
+        unsafe fn wstore_ptr(self, w: __m512, p: *mut f32) {
+            // SAFETY: see the module note; the caller guarantees 16 writable floats.
+            unsafe { _mm512_storeu_ps(p, w) }
+        }
+
+        #[inline(always)]
+        fn wfmadd(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+
+        #[inline(always)]
+        fn wmul(self, a: __m512, b: __m512) -> __m512 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+
+        #[inline(always)]
+        fn fold(self, w: __m512) -> __m256 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps::<1>(w)) }
+        }
+
+        #[inline(always)]
+        unsafe fn f16x16(self, p: *const u8) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees 32 readable bytes.
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        }
+
+        #[inline(always)]
+        unsafe fn i8x16(self, p: *const u8) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees 16 readable bytes.
+            unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+        }
+
+        #[inline(always)]
+        unsafe fn nib16(self, p: *const u8) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes.
+            unsafe { _mm512_permutexvar_ps(nibble_indices(p), levels16()) }
+        }
+
+        #[inline(always)]
+        unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes. The 16
+            // possible values, `scale · code + min` for each code, then one lookup per lane:
+            // a permute instead of a mask, a conversion and a multiply-add.
+            unsafe {
+                let table = _mm512_fmadd_ps(levels16(), _mm512_set1_ps(scale), _mm512_set1_ps(min));
+                _mm512_permutexvar_ps(nibble_indices(p), table)
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m256) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees 8 readable bytes. As
+            // `crumb8`: the 16-lane permute reads the low 4 bits of each index, and the
+            // joined table repeats itself every 4 lanes.
+            unsafe {
+                let bytes = _mm512_cvtepu8_epi32(twice(p));
+                let first = (4 * pass) as i32;
+                let shift = _mm512_add_epi32(
+                    _mm512_set1_epi32(first),
+                    _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                );
+                let table = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(table), table);
+                _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift), table)
+            }
+        }
+    }
+
+    /// The codes 0, 1, .., 15 as floats.
+    ///
+    /// # Safety
+    /// This CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn levels16() -> __m512 {
+        // SAFETY: the caller's contract; register-only.
+        unsafe {
+            _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            )
+        }
+    }
+
+    /// The 8 bytes at `p` in lanes 0–7 and, shifted right by 4, in lanes 8–15: as indices of
+    /// a 16-lane permute, which reads the low 4 bits of each, the low nibbles and then the high
+    /// ones (`nib8`'s order).
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes, and this CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn nibble_indices(p: *const u8) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(twice(p)), shift)
+        }
+    }
+
+    /// The 8 bytes at `p` twice: bytes 0–7 and 8–15 of the result.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes, and this CPU has AVX2.
+    #[inline(always)]
+    unsafe fn twice(p: *const u8) -> __m128i {
+        // SAFETY: the caller's contract.
+        unsafe { _mm_set1_epi64x(p.cast::<i64>().read_unaligned()) }
+    }
+
+    impl<const AVX512: bool> Kernel for X86<AVX512>
+    where
+        X86<AVX512>: Wide,
+    {
         #[inline(always)]
         fn run<R, F: KernelFn<R>>(self, f: F) -> R {
             // Not inlined: a caller with the same features would otherwise take it back in.
@@ -565,6 +892,82 @@ mod avx2 {
         #[inline(always)]
         fn fma(self, a: f32, b: f32, c: f32) -> f32 {
             a.mul_add(b, c)
+        }
+
+        #[inline(always)]
+        fn add(self, a: __m256, b: __m256) -> __m256 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm256_add_ps(a, b) }
+        }
+
+        type W = <Self as Wide>::W;
+        const VALUE_PASS: usize = <Self as Wide>::VALUE_PASS;
+
+        #[inline(always)]
+        fn join(self, lo: __m256, hi: __m256) -> Self::W {
+            Wide::join(self, lo, hi)
+        }
+
+        #[inline(always)]
+        fn wsplat(self, x: f32) -> Self::W {
+            Wide::wsplat(self, x)
+        }
+
+        #[inline(always)]
+        unsafe fn wload_ptr(self, p: *const f32) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::wload_ptr`'s.
+            unsafe { Wide::wload_ptr(self, p) }
+        }
+
+        #[inline(always)]
+        unsafe fn wstore_ptr(self, w: Self::W, p: *mut f32) {
+            // SAFETY: the caller's contract is `Wide::wstore_ptr`'s.
+            unsafe { Wide::wstore_ptr(self, w, p) }
+        }
+
+        #[inline(always)]
+        fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W {
+            Wide::wfmadd(self, a, b, c)
+        }
+
+        #[inline(always)]
+        fn wmul(self, a: Self::W, b: Self::W) -> Self::W {
+            Wide::wmul(self, a, b)
+        }
+
+        #[inline(always)]
+        fn fold(self, w: Self::W) -> __m256 {
+            Wide::fold(self, w)
+        }
+
+        #[inline(always)]
+        unsafe fn f16x16(self, p: *const u8) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::f16x16`'s.
+            unsafe { Wide::f16x16(self, p) }
+        }
+
+        #[inline(always)]
+        unsafe fn i8x16(self, p: *const u8) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::i8x16`'s.
+            unsafe { Wide::i8x16(self, p) }
+        }
+
+        #[inline(always)]
+        unsafe fn nib16(self, p: *const u8) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::nib16`'s.
+            unsafe { Wide::nib16(self, p) }
+        }
+
+        #[inline(always)]
+        unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::nib16_scaled`'s.
+            unsafe { Wide::nib16_scaled(self, p, scale, min) }
+        }
+
+        #[inline(always)]
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m256) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::crumb16`'s.
+            unsafe { Wide::crumb16(self, p, pass, table) }
         }
 
         #[inline(always)]
@@ -824,7 +1227,7 @@ impl Tier {
         match self {
             Tier::Portable => "portable",
             Tier::Avx2 => "AVX2+FMA+F16C",
-            Tier::Avx512 => "AVX-512VL+VNNI (256-bit)",
+            Tier::Avx512 => "AVX-512+VNNI",
         }
     }
 }
@@ -922,6 +1325,83 @@ mod tests {
             k.store(unsafe { k.e4m3x8(fp8.as_ptr()) }, &mut buf);
             out.extend(buf);
             out
+        }
+    }
+
+    /// Each 16-lane primitive, and what two 8-lane ones give for the same lanes.
+    struct WidePrimitives;
+    impl KernelFn<(Vec<f32>, Vec<f32>)> for WidePrimitives {
+        fn call<K: Kernel>(self, k: K) -> (Vec<f32>, Vec<f32>) {
+            let a: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 1.5).collect();
+            let b: Vec<f32> = (0..16).map(|i| (i % 5) as f32 - 1.75).collect();
+            let halves: Vec<u8> = a
+                .iter()
+                .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+                .collect();
+            let bytes = [
+                0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a, 0x3c, 0xc3, 0x81, 0x7e, 0x55,
+                0xaa, 0x0f, 0xf0,
+            ];
+            let table = k.crumb_table(0.5, -1.0);
+            let (mut wide, mut pairs) = (Vec::new(), Vec::new());
+            let mut buf = [0f32; 16];
+            // SAFETY: `a` and `b` hold 16 floats, `halves` 32 bytes and `bytes` 16; `buf` 16
+            // floats.
+            unsafe {
+                let (wa, wb) = (k.wload_ptr(a.as_ptr()), k.wload_ptr(b.as_ptr()));
+                let (a0, a1) = (k.load_ptr(a.as_ptr()), k.load_ptr(a.as_ptr().add(8)));
+                let (b0, b1) = (k.load_ptr(b.as_ptr()), k.load_ptr(b.as_ptr().add(8)));
+                let p = bytes.as_ptr();
+                for w in [
+                    k.wfmadd(wa, wb, k.wsplat(0.5)),
+                    k.wmul(wa, wb),
+                    k.join(a0, b1),
+                    k.f16x16(halves.as_ptr()),
+                    k.i8x16(p),
+                    k.nib16(p),
+                    k.nib16(p.add(8)),
+                    k.nib16_scaled(p, 0.37, -1.3),
+                    k.crumb16(p, 0, table),
+                    k.crumb16(p, 1, table),
+                ] {
+                    k.wstore_ptr(w, buf.as_mut_ptr());
+                    wide.extend(buf);
+                }
+                for [lo, hi] in [
+                    [k.fmadd(a0, b0, k.splat(0.5)), k.fmadd(a1, b1, k.splat(0.5))],
+                    [k.mul(a0, b0), k.mul(a1, b1)],
+                    [a0, b1],
+                    [k.f16x8(halves.as_ptr()), k.f16x8(halves.as_ptr().add(16))],
+                    [k.i8x8(p), k.i8x8(p.add(8))],
+                    [k.nib8(p, false), k.nib8(p, true)],
+                    [k.nib8(p.add(8), false), k.nib8(p.add(8), true)],
+                    [
+                        k.fmadd(k.nib8(p, false), k.splat(0.37), k.splat(-1.3)),
+                        k.fmadd(k.nib8(p, true), k.splat(0.37), k.splat(-1.3)),
+                    ],
+                    [k.crumb8(p, 0, table), k.crumb8(p, 1, table)],
+                    [k.crumb8(p, 2, table), k.crumb8(p, 3, table)],
+                ] {
+                    k.store(lo, &mut buf[..8]);
+                    k.store(hi, &mut buf[8..]);
+                    pairs.extend(buf);
+                }
+                k.store(k.fold(wa), &mut buf[..8]);
+                wide.extend(&buf[..8]);
+                k.store(k.add(a0, a1), &mut buf[..8]);
+                pairs.extend(&buf[..8]);
+            }
+            (wide, pairs)
+        }
+    }
+
+    #[test]
+    fn every_tiers_wide_primitives_are_two_narrow_ones_joined() {
+        for (tier, (wide, pairs)) in on_every_tier(|| WidePrimitives) {
+            assert_eq!(wide.len(), 10 * 16 + 8);
+            for (i, (w, p)) in wide.iter().zip(&pairs).enumerate() {
+                assert_eq!(w.to_bits(), p.to_bits(), "{tier:?}, value {i}: {w} vs {p}");
+            }
         }
     }
 

@@ -210,6 +210,22 @@ pub(super) trait Rows {
     /// # Safety
     /// `t < n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`.
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V;
+
+    /// Positions `c0 + 16·pass .. + 16` of token `t`: `row8` for `j = 2·pass` and
+    /// `2·pass + 1`, joined, or one 16-lane decode where the format has one.
+    ///
+    /// # Safety
+    /// `t < n`, `c0` is a multiple of `CHUNK.max(16)` and `c0 + 16·pass + 16 <= d`.
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        // SAFETY: `row8`'s contract for both `j`, as `c0` is a multiple of `CHUNK` too.
+        unsafe {
+            k.join(
+                self.row8(k, t, c0, 2 * pass),
+                self.row8(k, t, c0, 2 * pass + 1),
+            )
+        }
+    }
 }
 
 /// Already dequantized rows (pre-RoPE keys after rotation, reordered sink values).
@@ -233,6 +249,12 @@ impl Rows for F32Rows<'_> {
         // SAFETY: `data` holds `n × d` floats (checked in `new`) and the contract of `row8`
         // keeps `t·d + c0 + 8j + 8` within them.
         unsafe { k.load_ptr(self.data.as_ptr().add(t * self.d + c0 + 8 * j)) }
+    }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        // SAFETY: as in `row8`, for `t·d + c0 + 16·pass + 16` floats.
+        unsafe { k.wload_ptr(self.data.as_ptr().add(t * self.d + c0 + 16 * pass)) }
     }
 }
 
@@ -273,6 +295,12 @@ impl Rows for F16Rows<'_> {
         // inside it.
         unsafe { k.f16x8(self.packed.at(t, 2 * (c0 + 8 * j))) }
     }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        // SAFETY: as in `row8`, for the 32 bytes of 16 positions.
+        unsafe { k.f16x16(self.packed.at(t, 2 * (c0 + 16 * pass))) }
+    }
 }
 
 /// How a row of one-byte codes scaled per token decodes eight of them: int8 (`q8`) or e4m3
@@ -286,6 +314,16 @@ pub(super) trait ByteCode {
     /// # Safety
     /// `at` addresses 8 readable bytes.
     unsafe fn load8<K: Kernel>(k: K, at: *const u8) -> K::V;
+
+    /// The sixteen codes at `at`.
+    ///
+    /// # Safety
+    /// `at` addresses 16 readable bytes.
+    #[inline(always)]
+    unsafe fn load16<K: Kernel>(k: K, at: *const u8) -> K::W {
+        // SAFETY: the caller's contract, 8 bytes each.
+        unsafe { k.join(Self::load8(k, at), Self::load8(k, at.add(8))) }
+    }
 }
 
 /// `q8`'s codes: `scale[t] · int8`.
@@ -298,6 +336,12 @@ impl ByteCode for Int8 {
     unsafe fn load8<K: Kernel>(k: K, at: *const u8) -> K::V {
         // SAFETY: the caller's contract.
         unsafe { k.i8x8(at) }
+    }
+
+    #[inline(always)]
+    unsafe fn load16<K: Kernel>(k: K, at: *const u8) -> K::W {
+        // SAFETY: the caller's contract.
+        unsafe { k.i8x16(at) }
     }
 }
 
@@ -336,6 +380,17 @@ impl<C: ByteCode> Rows for ScaledRows<'_, C> {
             )
         }
     }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        // SAFETY: as in `row8`, for the 16 bytes of 16 positions.
+        unsafe {
+            k.wmul(
+                C::load16(k, self.packed.at(t, c0 + 16 * pass)),
+                k.wsplat(*self.scales.get_unchecked(t) * C::SCALE),
+            )
+        }
+    }
 }
 
 /// `q8_0`: `d[t][block] · int8`, the scale inside each 34-byte block.
@@ -359,6 +414,20 @@ impl Rows for Q80Rows<'_> {
             k.mul(
                 codes,
                 k.splat(*self.scales.get_unchecked(t * self.blocks + b)),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        let c = c0 + 16 * pass;
+        let (b, i) = (c / Q8_0_BLOCK, c % Q8_0_BLOCK);
+        // SAFETY: as in `row8`, with `i + 16 <= 32` (`c` is a multiple of 16).
+        unsafe {
+            let codes = k.i8x16(self.packed.at(t, b * Q8_0_BLOCK_BYTES + 2 + i));
+            k.wmul(
+                codes,
+                k.wsplat(*self.scales.get_unchecked(t * self.blocks + b)),
             )
         }
     }
@@ -421,6 +490,34 @@ impl<const BITS: usize> ChanCodes<'_, BITS> {
             }
         }
     }
+
+    /// [`ChanCodes::lookup`] for the 16 positions of [`Rows::row16`].
+    ///
+    /// # Safety
+    /// As [`Rows::row16`], for rows of `d · BITS / 8` bytes and `d` a multiple of 32.
+    #[inline(always)]
+    pub(super) unsafe fn lookup16<K: Kernel>(
+        &self,
+        k: K,
+        t: usize,
+        c0: usize,
+        pass: usize,
+        table: K::V,
+    ) -> K::W {
+        // SAFETY: `c0` is a multiple of `CHUNK` (16 or 32 positions, 8 bytes), whose load
+        // holds positions `c0 + 16·pass .. + 16`.
+        unsafe {
+            let p = self.packed.at(t, c0 * BITS / 8);
+            match (BITS, self.book) {
+                (4, None) => k.nib16(p),
+                (4, Some(b)) => k.join(
+                    k.nib8_table(p, false, b.table()),
+                    k.nib8_table(p, true, b.table()),
+                ),
+                _ => k.crumb16(p, pass as u32, table),
+            }
+        }
+    }
 }
 
 impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
@@ -430,6 +527,12 @@ impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
         // SAFETY: forwarded contract.
         unsafe { self.lookup(k, t, c0, j, self.crumb_table(k, 1.0, 0.0)) }
+    }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        // SAFETY: forwarded contract.
+        unsafe { self.lookup16(k, t, c0, pass, self.crumb_table(k, 1.0, 0.0)) }
     }
 }
 
@@ -467,6 +570,32 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
             }
         }
     }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        let p = 2 * (t * self.groups + (c0 >> self.group_shift));
+        // SAFETY: as in `row8`.
+        unsafe {
+            if BITS == 4 && self.codes.book.is_none() {
+                let (scale, min) = (
+                    *self.params.get_unchecked(p),
+                    *self.params.get_unchecked(p + 1),
+                );
+                k.nib16_scaled(self.codes.packed.at(t, c0 / 2), scale, min)
+            } else if BITS == 4 {
+                let codes = self.codes.lookup16(k, t, c0, pass, k.splat(0.0));
+                let scale = k.wsplat(*self.params.get_unchecked(p));
+                k.wfmadd(codes, scale, k.wsplat(*self.params.get_unchecked(p + 1)))
+            } else {
+                let (scale, min) = (
+                    *self.params.get_unchecked(p),
+                    *self.params.get_unchecked(p + 1),
+                );
+                let table = self.codes.crumb_table(k, scale, min);
+                self.codes.lookup16(k, t, c0, pass, table)
+            }
+        }
+    }
 }
 
 /// `q*_chan`: `min[c] + scale[c] · code`, parameters shared by the page's tokens (for the
@@ -489,6 +618,17 @@ impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
             let codes = self.codes.row8(k, t, c0, j);
             let scale = k.load_ptr(self.scale.as_ptr().add(c));
             k.fmadd(codes, scale, k.load_ptr(self.min.as_ptr().add(c)))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        let c = c0 + 16 * pass;
+        // SAFETY: as in `row8`, for positions `c .. c + 16`.
+        unsafe {
+            let codes = self.codes.row16(k, t, c0, pass);
+            let scale = k.wload_ptr(self.scale.as_ptr().add(c));
+            k.wfmadd(codes, scale, k.wload_ptr(self.min.as_ptr().add(c)))
         }
     }
 }

@@ -555,15 +555,16 @@ pub(super) fn score_rows<K: Kernel, R: Rows, const QR: usize>(
     g: usize,
     prefetch: &mut Prefetch<'_>,
 ) {
-    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(R::CHUNK) && n <= g);
+    assert!(q.len() >= (r0 + QR) * d && d.is_multiple_of(R::CHUNK.max(16)) && n <= g);
     assert!(scores.len() >= (r0 + QR) * g);
     for_token_pairs!(k, n, prefetch, |t, TT| score_tokens::<K, R, QR, TT>(
         k, rows, d, q, r0, t, scores, g
     ));
 }
 
-/// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens; the caller checks
-/// that the rows, tokens and scores are in range and that `d` is a multiple of `R::CHUNK`.
+/// `scores[r][t0 + i] = q[r] · key[t0 + i]` for `QR` rows and `TT` tokens, sixteen positions
+/// per multiply-add; the caller checks that the rows, tokens and scores are in range and that
+/// `d` is a multiple of `R::CHUNK` and of 16.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>(
@@ -576,30 +577,37 @@ pub(super) fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>
     scores: &mut [f32],
     g: usize,
 ) {
+    let step = R::CHUNK.max(16);
     let qp = q.as_ptr();
-    let mut acc = [[k.splat(0.0); QR]; TT];
-    for c0 in (0..d).step_by(R::CHUNK) {
-        for j in 0..R::CHUNK / 8 {
-            // SAFETY: `t0 + TT <= n`, `c0` is a multiple of `CHUNK` and `c0 + 8j + 8 <= d`
-            // (the rows' contract); query row `r0 + i` lies within `q` (checked by
-            // `score_rows`).
+    let mut acc = [[k.wsplat(0.0); QR]; TT];
+    for c0 in (0..d).step_by(step) {
+        for pass in 0..step / 16 {
+            // SAFETY: `t0 + TT <= n`, `c0` is a multiple of `step` and
+            // `c0 + 16·pass + 16 <= d` (`Rows::row16`'s contract); query row `r0 + i` lies within
+            // `q` (checked by `score_rows`).
             unsafe {
                 // A plain loop, not `array::from_fn`: a closure the compiler leaves out of
                 // line is compiled without AVX2 and turns every intrinsic into a call.
-                let mut keys = [k.splat(0.0); TT];
+                let mut keys = [k.wsplat(0.0); TT];
                 for (i, key) in keys.iter_mut().enumerate() {
-                    *key = rows.row8(k, t0 + i, c0, j);
+                    *key = rows.row16(k, t0 + i, c0, pass);
                 }
                 for i in 0..QR {
-                    let qv = k.load_ptr(qp.add((r0 + i) * d + c0 + 8 * j));
+                    let qv = k.wload_ptr(qp.add((r0 + i) * d + c0 + 16 * pass));
                     for (acc, key) in acc.iter_mut().zip(keys) {
-                        acc[i] = k.fmadd(qv, key, acc[i]);
+                        acc[i] = k.wfmadd(qv, key, acc[i]);
                     }
                 }
             }
         }
     }
-    let sums = tile_sums(k, &acc);
+    let mut halves = [[k.splat(0.0); QR]; TT];
+    for (h, a) in halves.iter_mut().zip(acc) {
+        for (h, a) in h.iter_mut().zip(a) {
+            *h = k.fold(a);
+        }
+    }
+    let sums = tile_sums(k, &halves);
     let sp = scores.as_mut_ptr();
     for i in 0..TT {
         for j in 0..QR {
@@ -677,8 +685,10 @@ pub(super) fn accumulate_loop<K: Kernel, R: Rows>(
     });
 }
 
-/// Sixteen positions per pass: each weight broadcast feeds two FMAs and the `2 × QR`
-/// accumulators are independent chains across the tokens. A 2-bit chunk takes two passes.
+/// [`Kernel::VALUE_PASS`] positions per pass (16 or 32), one or two [`Kernel::W`] per row:
+/// each weight broadcast feeds one or two 16-lane FMAs, and the accumulators are independent
+/// chains across the tokens, enough of them to keep the FMA units busy (two 8-lane chains per
+/// row with 16 registers, two 16-lane ones with 32).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
@@ -692,40 +702,43 @@ pub(super) fn accumulate_rows<K: Kernel, R: Rows, const QR: usize>(
     acc: &mut [f32],
     prefetch: &mut Prefetch<'_>,
 ) {
+    const { assert!(K::VALUE_PASS == 16 || K::VALUE_PASS == 32) };
+    let halves = K::VALUE_PASS / 16;
     let step = R::CHUNK.max(16);
     assert!(w.len() >= (r0 + QR) * g && n <= g && acc.len() >= (r0 + QR) * d);
-    assert!(d.is_multiple_of(step) && step.is_multiple_of(R::CHUNK));
+    assert!(d.is_multiple_of(step) && d.is_multiple_of(K::VALUE_PASS));
     let (wp, ap) = (w.as_ptr(), acc.as_mut_ptr());
-    for c0 in (0..d).step_by(step) {
-        for pass in 0..step / 16 {
+    for c in (0..d).step_by(K::VALUE_PASS) {
+        for _ in 0..halves {
             prefetch.step(k);
-            let c = c0 + 16 * pass;
-            // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in
-            // `w` and accumulator `(r0 + j)·d + c .. + 16` in `acc`; `t < n`, `c0` a multiple
-            // of `CHUNK` and `c + 16 <= d` is the rows' contract.
-            unsafe {
-                let mut a = [[k.splat(0.0); 2]; QR];
+        }
+        // SAFETY: by the asserts above, weight `(r0 + j)·g + t` with `t < n <= g` lies in
+        // `w` and accumulator `(r0 + j)·d + c .. + VALUE_PASS` in `acc`; each `row16` reads
+        // positions `c + 16h .. + 16 <= d` of token `t < n`, named by a multiple of `step`
+        // and its pass, which is `row16`'s contract.
+        unsafe {
+            let mut a = [[k.wsplat(0.0); 2]; QR];
+            for (j, a) in a.iter_mut().enumerate() {
+                for (h, a) in a.iter_mut().enumerate().take(halves) {
+                    *a = k.wload_ptr(ap.add((r0 + j) * d + c + 16 * h));
+                }
+            }
+            for t in 0..n {
+                let mut value = [k.wsplat(0.0); 2];
+                for (h, v) in value.iter_mut().enumerate().take(halves) {
+                    let at = c + 16 * h;
+                    *v = rows.row16(k, t, at - at % step, at % step / 16);
+                }
                 for (j, a) in a.iter_mut().enumerate() {
-                    for (h, a) in a.iter_mut().enumerate() {
-                        *a = k.load_ptr(ap.add((r0 + j) * d + c + 8 * h));
+                    let wt = k.wsplat(*wp.add((r0 + j) * g + t));
+                    for (a, v) in a.iter_mut().zip(value).take(halves) {
+                        *a = k.wfmadd(wt, v, *a);
                     }
                 }
-                for t in 0..n {
-                    let value = [
-                        rows.row8(k, t, c0, 2 * pass),
-                        rows.row8(k, t, c0, 2 * pass + 1),
-                    ];
-                    for (j, a) in a.iter_mut().enumerate() {
-                        let wt = k.splat(*wp.add((r0 + j) * g + t));
-                        for (a, v) in a.iter_mut().zip(value) {
-                            *a = k.fmadd(wt, v, *a);
-                        }
-                    }
-                }
-                for (j, a) in a.into_iter().enumerate() {
-                    for (h, a) in a.into_iter().enumerate() {
-                        k.store_ptr(a, ap.add((r0 + j) * d + c + 8 * h));
-                    }
+            }
+            for (j, a) in a.into_iter().enumerate() {
+                for (h, a) in a.into_iter().enumerate().take(halves) {
+                    k.wstore_ptr(a, ap.add((r0 + j) * d + c + 16 * h));
                 }
             }
         }
