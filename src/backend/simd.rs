@@ -91,8 +91,9 @@ pub(crate) trait Kernel: Copy {
     /// `a * b + c`, fused where the CPU can.
     fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
     fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
-    /// `lo + hi`, lane by lane.
-    fn fold(self, w: Self::W) -> Self::V;
+    /// Sum of the lanes of each of eight wide vectors. The pairs add their halves and then
+    /// `hsum8`; the AVX-512 build adds in another order, across 512-bit shuffles.
+    fn wsum8(self, w: [Self::W; 8]) -> [f32; 8];
     // Sixteen-lane decoders, each what two of the 8-lane ones below give, joined (the `# Safety`
     // of those, for the bytes named here).
     /// # Safety
@@ -310,8 +311,12 @@ macro_rules! wide_as_pairs {
         }
 
         #[inline(always)]
-        fn fold(self, w: [$v; 2]) -> $v {
-            Kernel::add(self, w[0], w[1])
+        fn wsum8(self, w: [[$v; 2]; 8]) -> [f32; 8] {
+            let mut folded = [Kernel::splat(self, 0.0); 8];
+            for (f, w) in folded.iter_mut().zip(w) {
+                *f = Kernel::add(self, w[0], w[1]);
+            }
+            Kernel::hsum8(self, folded)
         }
 
         #[inline(always)]
@@ -607,7 +612,7 @@ mod avx2 {
         unsafe fn wstore_ptr(self, w: Self::W, p: *mut f32);
         fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
         fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
-        fn fold(self, w: Self::W) -> __m256;
+        fn wsum8(self, w: [Self::W; 8]) -> [f32; 8];
         /// # Safety
         /// As [`Kernel::f16x16`].
         unsafe fn f16x16(self, p: *const u8) -> Self::W;
@@ -670,9 +675,47 @@ mod avx2 {
         }
 
         #[inline(always)]
-        fn fold(self, w: __m512) -> __m256 {
-            // SAFETY: see the module note; register-only.
-            unsafe { _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps::<1>(w)) }
+        fn wsum8(self, w: [__m512; 8]) -> [f32; 8] {
+            // SAFETY: see the module note; register-only. Each round adds the two halves of
+            // every vector's partial sums, two vectors' halves per register: 16 lanes, then 8,
+            // then 4 per vector; the last two rounds add within 128-bit blocks.
+            unsafe {
+                /// `[a0 a1 b0 b1] + [a2 a3 b2 b3]`, in 128-bit blocks.
+                #[inline(always)]
+                unsafe fn halves(a: __m512, b: __m512) -> __m512 {
+                    // SAFETY: the caller's; register-only.
+                    unsafe {
+                        _mm512_add_ps(
+                            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+                        )
+                    }
+                }
+                /// `[a0 a2 b0 b2] + [a1 a3 b1 b3]`: of two `halves`, block k the sum of a
+                /// vector's two.
+                #[inline(always)]
+                unsafe fn quarters(a: __m512, b: __m512) -> __m512 {
+                    // SAFETY: the caller's; register-only.
+                    unsafe {
+                        _mm512_add_ps(
+                            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+                        )
+                    }
+                }
+                // Block k of `low` holds 4 partial sums of w[k], of `high` of w[4 + k].
+                let low = quarters(halves(w[0], w[1]), halves(w[2], w[3]));
+                let high = quarters(halves(w[4], w[5]), halves(w[6], w[7]));
+                // Per block: (l0 + l1, l2 + l3, h0 + h1, h2 + h3), then lanes 0 and 2 the sums.
+                let pairs = _mm512_add_ps(
+                    _mm512_shuffle_ps::<0b10_00_10_00>(low, high),
+                    _mm512_shuffle_ps::<0b11_01_11_01>(low, high),
+                );
+                let sums = _mm512_add_ps(pairs, _mm512_shuffle_ps::<0b10_11_00_01>(pairs, pairs));
+                let mut lanes = [0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), sums);
+                std::array::from_fn(|i| lanes[4 * (i % 4) + 2 * (i / 4)])
+            }
         }
 
         #[inline(always)]
@@ -936,8 +979,8 @@ mod avx2 {
         }
 
         #[inline(always)]
-        fn fold(self, w: Self::W) -> __m256 {
-            Wide::fold(self, w)
+        fn wsum8(self, w: [Self::W; 8]) -> [f32; 8] {
+            Wide::wsum8(self, w)
         }
 
         #[inline(always)]
@@ -1386,19 +1429,46 @@ mod tests {
                     k.store(hi, &mut buf[8..]);
                     pairs.extend(buf);
                 }
-                k.store(k.fold(wa), &mut buf[..8]);
-                wide.extend(&buf[..8]);
-                k.store(k.add(a0, a1), &mut buf[..8]);
-                pairs.extend(&buf[..8]);
             }
             (wide, pairs)
+        }
+    }
+
+    /// `wsum8` of eight 16-lane vectors of distinct values.
+    struct WideSums;
+    impl KernelFn<[f32; 8]> for WideSums {
+        fn call<K: Kernel>(self, k: K) -> [f32; 8] {
+            let mut w = [k.wsplat(0.0); 8];
+            for (v, w) in w.iter_mut().enumerate() {
+                let lanes: Vec<f32> = (0..16).map(|l| wide_sum_lane(v, l)).collect();
+                // SAFETY: `lanes` holds 16 floats.
+                *w = unsafe { k.wload_ptr(lanes.as_ptr()) };
+            }
+            k.wsum8(w)
+        }
+    }
+
+    fn wide_sum_lane(v: usize, l: usize) -> f32 {
+        ((v * 16 + l) as f32 * 0.37).sin() * (1 + v) as f32
+    }
+
+    #[test]
+    fn every_tiers_wide_sums_add_each_vectors_lanes() {
+        for (tier, sums) in on_every_tier(|| WideSums) {
+            for (v, sum) in sums.iter().enumerate() {
+                let exact: f64 = (0..16).map(|l| f64::from(wide_sum_lane(v, l))).sum();
+                assert!(
+                    (f64::from(*sum) - exact).abs() <= 1e-5,
+                    "{tier:?}, vector {v}: {sum} vs {exact}"
+                );
+            }
         }
     }
 
     #[test]
     fn every_tiers_wide_primitives_are_two_narrow_ones_joined() {
         for (tier, (wide, pairs)) in on_every_tier(|| WidePrimitives) {
-            assert_eq!(wide.len(), 10 * 16 + 8);
+            assert_eq!(wide.len(), 10 * 16);
             for (i, (w, p)) in wide.iter().zip(&pairs).enumerate() {
                 assert_eq!(w.to_bits(), p.to_bits(), "{tier:?}, value {i}: {w} vs {p}");
             }

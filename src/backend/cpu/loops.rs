@@ -601,13 +601,12 @@ pub(super) fn score_tokens<K: Kernel, R: Rows, const QR: usize, const TT: usize>
             }
         }
     }
-    let mut halves = [[k.splat(0.0); QR]; TT];
-    for (h, a) in halves.iter_mut().zip(acc) {
-        for (h, a) in h.iter_mut().zip(a) {
-            *h = k.fold(a);
-        }
+    const { assert!(QR * TT <= 8) };
+    let mut all = [k.wsplat(0.0); 8];
+    for (i, acc) in acc.iter().enumerate() {
+        all[i * QR..(i + 1) * QR].copy_from_slice(acc);
     }
-    let sums = tile_sums(k, &halves);
+    let sums = k.wsum8(all);
     let sp = scores.as_mut_ptr();
     for i in 0..TT {
         for j in 0..QR {
