@@ -107,18 +107,22 @@ pub(crate) fn attend(
         })
         .collect();
 
-    let partials: Vec<Partial> = items
-        .par_iter()
-        .map(|item| {
-            let hq = &prepared[item.query][item.head];
-            let blocks = view.blocks(&seqs[item.query], item.head, item.pages.clone());
-            dispatch(RunItem {
-                view,
-                blocks: &blocks,
-                hq,
-            })
+    let run = |item: &Item| {
+        let hq = &prepared[item.query][item.head];
+        let blocks = view.blocks(&seqs[item.query], item.head, item.pages.clone());
+        dispatch(RunItem {
+            view,
+            blocks: &blocks,
+            hq,
         })
-        .collect();
+    };
+    // With one thread, the items run on the caller's: handing them to the pool's only worker
+    // and waiting for it costs two futex calls and a context switch per step.
+    let partials: Vec<Partial> = if threads == 1 {
+        items.iter().map(run).collect()
+    } else {
+        items.par_iter().map(run).collect()
+    };
 
     // Combine the splits of each (query, head) and scatter rows back to the query layout.
     let mut next = 0;
