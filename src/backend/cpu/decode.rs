@@ -180,17 +180,14 @@ impl Order {
         }
     }
 
-    /// Rows of `d` values in this order put back into natural order, in place.
+    /// Rows of `d` values in this order put back into natural order, in place. Runs once per
+    /// work item, so like `permute` it copies with constant strides and allocates nothing.
     pub(super) fn unpermute(self, x: &mut [f32], d: usize) {
-        if self == Order::Natural {
-            return;
-        }
-        let mut row = vec![0f32; d];
-        for chunk in x.chunks_exact_mut(d) {
-            row.copy_from_slice(chunk);
-            for (p, &v) in row.iter().enumerate() {
-                chunk[self.channel(p)] = v;
-            }
+        assert!(d.is_multiple_of(32) && x.len().is_multiple_of(d));
+        match self {
+            Order::Natural => {}
+            Order::Nibbles => scatter_chunks::<2>(x),
+            Order::Crumbs => scatter_chunks::<4>(x),
         }
     }
 }
@@ -678,6 +675,22 @@ fn gather_chunks<const LANES: usize>(x: &[f32], out: &mut [f32]) {
         for j in 0..LANES {
             for i in 0..8 {
                 dst[8 * j + i] = src[LANES * i + j];
+            }
+        }
+    }
+}
+
+/// [`gather_chunks`] undone in place: in each chunk of `8 · LANES` values, the value at
+/// `8j + i` goes back to `LANES · i + j`.
+#[inline(always)]
+fn scatter_chunks<const LANES: usize>(x: &mut [f32]) {
+    let chunk = 8 * LANES;
+    let mut src = [0f32; 32];
+    for dst in x.chunks_exact_mut(chunk) {
+        src[..chunk].copy_from_slice(dst);
+        for j in 0..LANES {
+            for i in 0..8 {
+                dst[LANES * i + j] = src[8 * j + i];
             }
         }
     }

@@ -126,7 +126,10 @@ impl<'a> CacheView<'a> {
         let g = layout.block_tokens();
         let row = d * 2;
         let head_layout = layout.head_layout();
-        let mut out = Vec::new();
+        let pages = pages.start..pages.end.min(self.pages(seq.len));
+        // One block per page and one for the sinks: growing the vector by doubling copied
+        // it several times per call (1-2% of a 1024-token step in `perf`).
+        let mut out = Vec::with_capacity(pages.len() + 1);
         let sinks = seq.len.min(s.sinks);
         if pages.start == 0 && sinks > 0 {
             let rows = |stream| {
@@ -141,7 +144,7 @@ impl<'a> CacheView<'a> {
             });
         }
         let window = s.value_window;
-        for p in pages.start..pages.end.min(self.pages(seq.len)) {
+        for p in pages {
             let first_pos = p * g;
             let begin = s.sinks.saturating_sub(first_pos).min(g);
             let end = (seq.len - first_pos).min(g);
