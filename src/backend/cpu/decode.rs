@@ -573,13 +573,8 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
         let p = 2 * (t * self.groups + (c0 >> self.group_shift));
         // SAFETY: as in `row8`.
         unsafe {
-            if BITS == 4 && self.codes.book.is_none() {
-                let (scale, min) = (
-                    *self.params.get_unchecked(p),
-                    *self.params.get_unchecked(p + 1),
-                );
-                k.nib16_scaled(self.codes.packed.at(t, c0 / 2), scale, min)
-            } else if BITS == 4 {
+            if BITS == 4 && self.codes.book.is_some() {
+                // The parameters after the codes: each load then broadcasts from memory.
                 let codes = self.codes.lookup16(k, t, c0, pass, k.splat(0.0));
                 let scale = k.wsplat(*self.params.get_unchecked(p));
                 k.wfmadd(codes, scale, k.wsplat(*self.params.get_unchecked(p + 1)))
@@ -588,8 +583,12 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
                     *self.params.get_unchecked(p),
                     *self.params.get_unchecked(p + 1),
                 );
-                let table = self.codes.crumb_table(k, scale, min);
-                self.codes.lookup16(k, t, c0, pass, table)
+                if BITS == 4 {
+                    k.nib16_scaled(self.codes.packed.at(t, c0 / 2), scale, min)
+                } else {
+                    let table = self.codes.crumb_table(k, scale, min);
+                    self.codes.lookup16(k, t, c0, pass, table)
+                }
             }
         }
     }
