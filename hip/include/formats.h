@@ -262,6 +262,29 @@ HIPKV_HD uint32_t q8_0_code_offset(uint32_t c) {
     return (c / HIPKV_Q8_0_BLOCK) * HIPKV_Q8_0_BLOCK_BYTES + 2 + c % HIPKV_Q8_0_BLOCK;
 }
 
+// `x`, which the compiler may not look into: on gfx12 this keeps `nibble_codes8`'s masks apart
+// from the byte conversions after them, which LLVM would otherwise fold back into one field
+// extract per code. Elsewhere it is `x`.
+HIPKV_HD uint32_t opaque_bits(uint32_t x) {
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN__)
+    __asm__("" : "+v"(x));
+#endif
+    return x;
+}
+
+// The 8 codes of a little-endian word of 4-bit codes (code i in bits 4i..4i+4), as floats (the
+// low-bit formats' `UnsignedCodes::value`). The low nibbles of all four bytes are masked out at
+// once, then the high ones, and each byte is converted by its own `v_cvt_f32_ubyteN`: 3 VALU for
+// the masks and one per code, where a field extract and a conversion took two per code.
+HIPKV_HD void nibble_codes8(uint32_t w, float out[8]) {
+    const uint32_t low = opaque_bits(w & 0x0f0f0f0fu);
+    const uint32_t high = opaque_bits((w >> 4) & 0x0f0f0f0fu);
+    for (int b = 0; b < 4; ++b) {
+        out[2 * b] = (float)((low >> (8 * b)) & 0xffu);
+        out[2 * b + 1] = (float)((high >> (8 * b)) & 0xffu);
+    }
+}
+
 // The raw code (or, for f16, the value; for fp8, the e4m3 value) of channels c..c+8 of one
 // row, as floats, c % 8 == 0.
 // For q8_0 the codes only: the block scale is read by `q8_0_scale`.
@@ -280,7 +303,11 @@ HIPKV_HD void codes8(const uint8_t *row, uint32_t c, float out[8]) {
         uint32_t w = (uint32_t)read_global(p) | ((uint32_t)read_global(p + 1) << 8);
         if constexpr (bits == 4)
             w |= ((uint32_t)read_global(p + 2) << 16) | ((uint32_t)read_global(p + 3) << 24);
-        for (int i = 0; i < 8; ++i) out[i] = Fmt::value((w >> (bits * i)) & ((1u << bits) - 1));
+        if constexpr (bits == 4) {
+            nibble_codes8(w, out);
+        } else {
+            for (int i = 0; i < 8; ++i) out[i] = Fmt::value((w >> (bits * i)) & ((1u << bits) - 1));
+        }
     }
 }
 
@@ -332,7 +359,7 @@ HIPKV_HD void chunk_codes8(const Bytes16 &b, int j, float out[8]) {
         Fmt::values4(b.w[2 * j], out);
         Fmt::values4(b.w[2 * j + 1], out + 4);
     } else if constexpr (bits == 4) {
-        for (int i = 0; i < 8; ++i) out[i] = Fmt::value((b.w[j] >> (4 * i)) & 15u);
+        nibble_codes8(b.w[j], out);
     } else {
         const uint32_t half = b.w[j / 2] >> (16 * (j % 2));
         for (int i = 0; i < 8; ++i) out[i] = Fmt::value((half >> (2 * i)) & 3u);
