@@ -46,6 +46,10 @@ pub(crate) trait Kernel: Copy {
     /// The lanes of `a` and `b` alternated: `(a0 b0 a1 b1 a2 b2 a3 b3, a4 b4 … a7 b7)`, which
     /// puts rows decoded in a packed format's order back into channel order.
     fn interleave(self, a: Self::V, b: Self::V) -> (Self::V, Self::V);
+    /// [`Kernel::interleave`] undone: the even lanes of `a` then `b`, and the odd ones,
+    /// `(a0 a2 a4 a6 b0 b2 b4 b6, a1 a3 a5 a7 b1 b3 b5 b7)`, which puts rows in channel order
+    /// into a packed format's order.
+    fn deinterleave(self, a: Self::V, b: Self::V) -> (Self::V, Self::V);
     /// RoPE of four interleaved pairs `(x[2i], x[2i+1])` by `cs = [cos₀, sin₀, cos₁, sin₁, …]`:
     /// `(a·c − b·s, a·s + b·c)`, each product rounded, as [`crate::RopeTable::rotate`] computes
     /// it.
@@ -412,6 +416,15 @@ impl Kernel for Portable {
         (
             std::array::from_fn(lane),
             std::array::from_fn(|i| lane(i + 8)),
+        )
+    }
+
+    #[inline(always)]
+    fn deinterleave(self, a: [f32; 8], b: [f32; 8]) -> ([f32; 8], [f32; 8]) {
+        let lane = |i: usize| if i < 4 { a[2 * i] } else { b[2 * i - 8] };
+        (
+            std::array::from_fn(lane),
+            std::array::from_fn(|i| if i < 4 { a[2 * i + 1] } else { b[2 * i - 7] }),
         )
     }
 
@@ -875,6 +888,21 @@ mod avx2 {
                 (
                     _mm256_permute2f128_ps(lo, hi, 0x20),
                     _mm256_permute2f128_ps(lo, hi, 0x31),
+                )
+            }
+        }
+
+        #[inline(always)]
+        fn deinterleave(self, a: __m256, b: __m256) -> (__m256, __m256) {
+            // SAFETY: see the module note; register-only. The half permutes pair a's halves
+            // and b's (a0..a3 b0..b3, a4..a7 b4..b7); the shuffles take the even and the odd
+            // lanes of each pair of halves.
+            unsafe {
+                let lo = _mm256_permute2f128_ps(a, b, 0x20);
+                let hi = _mm256_permute2f128_ps(a, b, 0x31);
+                (
+                    _mm256_shuffle_ps(lo, hi, 0x88),
+                    _mm256_shuffle_ps(lo, hi, 0xdd),
                 )
             }
         }
@@ -1347,7 +1375,8 @@ mod tests {
             let (one, prod) = (k.splat(1.0), k.mul(va, vb));
             out.extend(k.hsum8([va, vb, prod, one, vb, prod, va, one]));
             let (lo, hi) = k.interleave(va, vb);
-            for v in [lo, hi] {
+            let (even, odd) = k.deinterleave(va, vb);
+            for v in [lo, hi, even, odd] {
                 k.store(v, &mut buf);
                 out.extend(buf);
             }

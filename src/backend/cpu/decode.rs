@@ -166,17 +166,39 @@ impl Order {
     }
 
     /// Rows of `d` natural-order values put into this order: `out[p] = x[channel(p)]`. Runs
-    /// over the f16 value window every step, so it copies with constant strides per chunk, in
-    /// the caller's instruction set.
+    /// over every block of the f16 value window and sinks every step, so it moves 8 values per
+    /// instruction: in a chunk of 16 (nibbles), the even channels then the odd ones; in a chunk
+    /// of 32 (crumbs), the same twice over, which leaves channels `4i + j` at `8j + i`.
     #[inline(always)]
-    pub(super) fn permute(self, x: &[f32], d: usize, out: &mut Vec<f32>) {
+    pub(super) fn permute<K: Kernel>(self, k: K, x: &[f32], d: usize, out: &mut Vec<f32>) {
         assert!(d.is_multiple_of(32) && x.len().is_multiple_of(d));
-        out.clear();
+        // Every value is overwritten below: a buffer reused at the same size is not cleared.
         out.resize(x.len(), 0.0);
+        let load = |src: &[f32], i: usize| {
+            assert!(src.len() >= 8 * (i + 1));
+            // SAFETY: 8 floats from `8i` are in bounds (asserted).
+            unsafe { k.load_ptr(src.as_ptr().add(8 * i)) }
+        };
         match self {
             Order::Natural => out.copy_from_slice(x),
-            Order::Nibbles => gather_chunks::<2>(x, out),
-            Order::Crumbs => gather_chunks::<4>(x, out),
+            Order::Nibbles => {
+                for (src, dst) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+                    let (even, odd) = k.deinterleave(load(src, 0), load(src, 1));
+                    k.store(even, &mut dst[..8]);
+                    k.store(odd, &mut dst[8..]);
+                }
+            }
+            Order::Crumbs => {
+                for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+                    let (e0, o0) = k.deinterleave(load(src, 0), load(src, 1));
+                    let (e1, o1) = k.deinterleave(load(src, 2), load(src, 3));
+                    let (c0, c2) = k.deinterleave(e0, e1);
+                    let (c1, c3) = k.deinterleave(o0, o1);
+                    for (j, v) in [c0, c1, c2, c3].into_iter().enumerate() {
+                        k.store(v, &mut dst[8 * j..]);
+                    }
+                }
+            }
         }
     }
 
@@ -665,21 +687,7 @@ impl StreamBlock<'_> {
     }
 }
 
-/// In each chunk of `8 · LANES` values, `out[8j + i] = x[LANES · i + j]`: the order that
-/// decodes `LANES` vectors of 8 per load ([`Order::Nibbles`]: 2, [`Order::Crumbs`]: 4).
-#[inline(always)]
-fn gather_chunks<const LANES: usize>(x: &[f32], out: &mut [f32]) {
-    let chunk = 8 * LANES;
-    for (src, dst) in x.chunks_exact(chunk).zip(out.chunks_exact_mut(chunk)) {
-        for j in 0..LANES {
-            for i in 0..8 {
-                dst[8 * j + i] = src[LANES * i + j];
-            }
-        }
-    }
-}
-
-/// [`gather_chunks`] undone in place: in each chunk of `8 · LANES` values, the value at
+/// [`Order::permute`] undone in place: in each chunk of `8 · LANES` values, the value at
 /// `8j + i` goes back to `LANES · i + j`.
 #[inline(always)]
 fn scatter_chunks<const LANES: usize>(x: &mut [f32]) {
@@ -722,6 +730,7 @@ pub(super) fn deinterleave<const LANES: usize>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::simd::Portable;
     use super::*;
 
     #[test]
@@ -730,7 +739,7 @@ mod tests {
         let x: Vec<f32> = (0..3 * d).map(|i| i as f32).collect();
         for order in [Order::Natural, Order::Nibbles, Order::Crumbs] {
             let mut out = vec![f32::NAN; 5];
-            order.permute(&x, d, &mut out);
+            order.permute(Portable, &x, d, &mut out);
             assert_eq!(out.len(), x.len());
             for (t, row) in out.chunks_exact(d).enumerate() {
                 for (p, &v) in row.iter().enumerate() {

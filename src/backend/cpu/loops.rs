@@ -82,7 +82,7 @@ pub(super) fn run_item<K: Kernel>(
         Order::of(view.layout.head_layout().v.format),
     );
     let mut queries = Vec::new();
-    k_order.permute(&hq.rows, d, &mut queries);
+    k_order.permute(k, &hq.rows, d, &mut queries);
     // `iq`: the int8 query in the key format's order, for the pages stored in it (f16 sinks
     // and open pages are scored against the rows, which then hold the same rounded query).
     let k_format = view.layout.head_layout().k.format;
@@ -209,7 +209,7 @@ pub(super) fn run_item<K: Kernel>(
                     value[c] = x;
                 }
             }
-            v_order.permute(&dense, d, &mut permuted);
+            v_order.permute(k, &dense, d, &mut permuted);
             let rows = F32Rows::new(&permuted, n, d);
             accumulate_block(k, &rows, n, d, &scores, g, &mut part.acc, &mut prefetch_v);
         }
