@@ -1,6 +1,11 @@
 //! Decode attention per scheme: one query token over 4096 cached tokens, 8 KV heads × GQA 4 ×
 //! head_dim 128. One sequence of at most 16 MiB stays in this machine's L3, so these are
 //! in-cache figures for spotting regressions; `hipkv bench` measures from DRAM.
+//!
+//! `attend_short`: the same over 128 and 512 tokens, where a step takes tens of µs and what it
+//! costs to hand the work to rayon's pool shows (short steps run on the caller's thread, longer
+//! ones on the pool: all cores, or `RAYON_NUM_THREADS`), and `kivi2`'s value window holds all
+//! or a quarter of the sequence.
 
 mod common;
 
@@ -41,5 +46,33 @@ fn attend(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, attend);
+fn attend_short(c: &mut Criterion) {
+    let pool = TokenPool::new(&mut Rng::new(1), 512, KV_HEADS, HEAD_DIM);
+    let q = Rng::new(2).normals(KV_HEADS * GQA * HEAD_DIM);
+    let mut out = vec![0f32; q.len()];
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let mut group = c.benchmark_group("attend_short");
+    group
+        .sample_size(30)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    for name in ["q8", "q4_tok", "kivi2"] {
+        let scheme = name.parse().expect("known scheme");
+        for context in [128, 512] {
+            let mut cache = common::cache(scheme, context, &pool);
+            pool.fill(&mut cache, 0, 0, context, 512, 0).expect("fill");
+            group.bench_function(format!("{name}/{context}"), |b| {
+                b.iter(|| {
+                    cache
+                        .attend(0, 0, black_box(&q), scale, &mut out)
+                        .expect("attend");
+                    black_box(&out);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, attend, attend_short);
 criterion_main!(benches);

@@ -92,6 +92,22 @@ fn long_context_uses_many_splits() {
     check(config("q8", 1, 1, 128, 2100), 2083, 1000, 2, 10);
 }
 
+/// A step small enough to run on the caller's thread and one large enough to go to the pool,
+/// inside a pool of three threads whatever the machine has: both match the reference.
+#[test]
+fn short_steps_on_the_caller_and_long_ones_on_the_pool() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        for scheme in ["kivi2", "q8", "k=q4_chan,v=q4_tok,rv=32"] {
+            check(config(scheme, 2, 4, 64, 4096), 70, 16, 1, 12);
+            check(config(scheme, 2, 4, 64, 4096), 4000, 512, 1, 13);
+        }
+    });
+}
+
 /// Several sequences of different lengths in one batched call, each equal to its own reference.
 #[test]
 fn batched_sequences_of_different_lengths() {

@@ -63,6 +63,13 @@ impl HeadQueries {
     }
 }
 
+/// Multiply-adds per stream (query rows × visible positions × head_dim, summed over the work
+/// items) below which a step is not worth the thread pool's hand-off. Measured on a 2-core
+/// machine (docs/performance.md, "Short steps on the caller's thread"): at GQA 4 and head_dim 128
+/// over 8 KV heads, two threads lose at 128 positions (2^19), break even or win at 256 (2^20)
+/// and win at 512.
+const POOL_MIN_WORK: usize = 3 << 18;
+
 /// Work item: one (query, KV head, page range).
 struct Item {
     query: usize,
@@ -116,9 +123,17 @@ pub(crate) fn attend(
             hq,
         })
     };
-    // With one thread, the items run on the caller's: handing them to the pool's only worker
-    // and waiting for it costs two futex calls and a context switch per step.
-    let partials: Vec<Partial> = if threads == 1 {
+    // Small steps and one-thread pools run the items on the caller's thread: handing them to
+    // the pool and waiting for its workers costs two futex calls and a context switch per step,
+    // tens of µs on a small machine, which is more than a short sequence's whole step.
+    let work: usize = items
+        .iter()
+        .map(|it| {
+            let rows = prepared[it.query][it.head].pos.len();
+            it.pages.len() * view.layout.block_tokens() * rows * d
+        })
+        .sum();
+    let partials: Vec<Partial> = if threads == 1 || work < POOL_MIN_WORK {
         items.iter().map(run).collect()
     } else {
         items.par_iter().map(run).collect()
