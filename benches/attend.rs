@@ -12,45 +12,73 @@ mod common;
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use hipkv::synth::{Rng, TokenPool};
+use hipkv::{KvCache, Scheme};
 
 use common::{GQA, HEAD_DIM, KV_HEADS};
 
 const CONTEXT: usize = 4096;
 
+/// One decode step: a query token for every head, its output, and the softmax scale.
+struct Step {
+    q: Vec<f32>,
+    out: Vec<f32>,
+    scale: f32,
+}
+
+impl Step {
+    fn new() -> Self {
+        let q = Rng::new(2).normals(KV_HEADS * GQA * HEAD_DIM);
+        Step {
+            out: vec![0f32; q.len()],
+            q,
+            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        }
+    }
+
+    /// Benchmarks the step over sequence 0 of `cache` as `id` in `group`.
+    fn bench(&mut self, group: &mut BenchmarkGroup<'_, WallTime>, id: String, cache: &KvCache) {
+        let Step { q, out, scale } = self;
+        group.bench_function(id, |b| {
+            b.iter(|| {
+                cache
+                    .attend(0, 0, black_box(q), *scale, out)
+                    .expect("attend");
+                black_box(&out);
+            })
+        });
+    }
+}
+
+/// A one-sequence cache of `scheme` holding `context` tokens of `pool`.
+fn filled(scheme: Scheme, context: usize, pool: &TokenPool) -> KvCache {
+    let mut cache = common::cache(scheme, context, pool);
+    pool.fill(&mut cache, 0, 0, context, 512, 0).expect("fill");
+    cache
+}
+
 fn attend(c: &mut Criterion) {
     let pool = TokenPool::new(&mut Rng::new(1), 2048, KV_HEADS, HEAD_DIM);
-    let q = Rng::new(2).normals(KV_HEADS * GQA * HEAD_DIM);
-    let mut out = vec![0f32; q.len()];
-    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let mut step = Step::new();
     let mut group = c.benchmark_group("attend_4k");
     group
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
     for scheme in common::schemes() {
-        let mut cache = common::cache(scheme, CONTEXT, &pool);
-        pool.fill(&mut cache, 0, 0, CONTEXT, 512, 0).expect("fill");
+        let cache = filled(scheme, CONTEXT, &pool);
         let bytes = cache.bytes_read(0, 0).expect("sequence 0");
         group.throughput(Throughput::Bytes(bytes as u64));
-        group.bench_function(scheme.to_string(), |b| {
-            b.iter(|| {
-                cache
-                    .attend(0, 0, black_box(&q), scale, &mut out)
-                    .expect("attend");
-                black_box(&out);
-            })
-        });
+        step.bench(&mut group, scheme.to_string(), &cache);
     }
     group.finish();
 }
 
 fn attend_short(c: &mut Criterion) {
     let pool = TokenPool::new(&mut Rng::new(1), 512, KV_HEADS, HEAD_DIM);
-    let q = Rng::new(2).normals(KV_HEADS * GQA * HEAD_DIM);
-    let mut out = vec![0f32; q.len()];
-    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let mut step = Step::new();
     let mut group = c.benchmark_group("attend_short");
     group
         .sample_size(30)
@@ -59,16 +87,8 @@ fn attend_short(c: &mut Criterion) {
     for name in ["q8", "q4_tok", "kivi2"] {
         let scheme = name.parse().expect("known scheme");
         for context in [128, 512] {
-            let mut cache = common::cache(scheme, context, &pool);
-            pool.fill(&mut cache, 0, 0, context, 512, 0).expect("fill");
-            group.bench_function(format!("{name}/{context}"), |b| {
-                b.iter(|| {
-                    cache
-                        .attend(0, 0, black_box(&q), scale, &mut out)
-                        .expect("attend");
-                    black_box(&out);
-                })
-            });
+            let cache = filled(scheme, context, &pool);
+            step.bench(&mut group, format!("{name}/{context}"), &cache);
         }
     }
     group.finish();
