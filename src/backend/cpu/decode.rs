@@ -565,13 +565,24 @@ pub(super) struct TokRows<'a, const BITS: usize> {
     pub(super) group_shift: u32,
 }
 
+impl<const BITS: usize> TokRows<'_, BITS> {
+    /// The group of the chunk at position `c0` (a chunk lies within one group).
+    #[inline(always)]
+    fn group(&self, c0: usize) -> usize {
+        // Groups hold at least 32 channels, so rounding `c0` down to 32 names the same one, and
+        // gives the unrolled loops one expression, hence one parameter load and one level table,
+        // per 32 channels where `c0 >> group_shift` gave one per 16 (the shift is not a
+        // constant, so the compiler cannot see that `0 >> s` and `16 >> s` agree).
+        (c0 & !31) >> self.group_shift
+    }
+}
+
 impl<const BITS: usize> Rows for TokRows<'_, BITS> {
     const CHUNK: usize = 64 / BITS;
 
     #[inline(always)]
     unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
-        // A chunk lies within one group, so position `c0` names the group.
-        let p = 2 * (t * self.groups + (c0 >> self.group_shift));
+        let p = 2 * (t * self.groups + self.group(c0));
         // SAFETY: forwarded contract; `params` holds `2 × groups` per token (checked where
         // built) and `c0 >> group_shift < groups`.
         unsafe {
@@ -592,7 +603,7 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
 
     #[inline(always)]
     unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
-        let p = 2 * (t * self.groups + (c0 >> self.group_shift));
+        let p = 2 * (t * self.groups + self.group(c0));
         // SAFETY: as in `row8`.
         unsafe {
             if BITS == 4 && self.codes.book.is_some() {
