@@ -40,8 +40,9 @@ const DEFAULT_EVAL_TOKENS: usize = 4096;
 /// Synthetic tokens generated once and appended cyclically.
 const POOL_TOKENS: usize = 4 * CHUNK;
 const MIN_STEPS: usize = 5;
-/// Blocks each of hipkv and a peer is timed in, alternating, per row.
-const PEER_BLOCKS: usize = 5;
+/// Blocks each stepper is timed in, in turn with the others it is compared with: a context's
+/// schemes with each other, or a row with its peer's step.
+const TIMING_BLOCKS: usize = 5;
 const MEMCPY_BYTES: usize = 256 << 20;
 const MEMCPY_RUNS: usize = 5;
 /// Small enough that every thread gets many chunks, large enough to amortise rayon's overhead.
@@ -994,17 +995,30 @@ fn bench(args: &BenchArgs) -> Result<(), CliError> {
     let mut rows = Vec::new();
     for &context in &contexts {
         let first = rows.len();
-        for &scheme in &schemes {
-            rows.push(bench_row(
+        match peer.as_deref_mut() {
+            // A peer has one cache at a time: each row alternates with its own.
+            Some(peer) => {
+                for &scheme in &schemes {
+                    rows.push(peer_row(
+                        shape,
+                        scheme,
+                        context,
+                        (&pool, &query),
+                        &baseline,
+                        &progress,
+                        peer,
+                    )?);
+                    progress.inc(1);
+                }
+            }
+            None => rows.extend(context_rows(
                 shape,
-                scheme,
+                &schemes,
                 context,
                 (&pool, &query),
                 &baseline,
                 &progress,
-                peer.as_deref_mut(),
-            )?);
-            progress.inc(1);
+            )?),
         }
         set_speedups(&mut rows[first..]);
     }
@@ -1101,15 +1115,79 @@ fn measure_memcpy() -> Memcpy {
     }
 }
 
-fn bench_row(
+/// A context's rows, its schemes timed in turn ([`median_step_times`]): a ratio such as
+/// `vs q8` then compares steps the same load on the machine slowed alike, where rows timed one
+/// after the other moved by tens of percent between runs on a shared host.
+fn context_rows(
+    shape: Shape,
+    schemes: &[Scheme],
+    context: usize,
+    inputs: (&TokenPool, &[f32]),
+    baseline: &Baseline<'_>,
+    progress: &ProgressBar,
+) -> Result<Vec<Row>, CliError> {
+    let mut steps = schemes
+        .iter()
+        .map(|&scheme| hipkv_steps(shape, scheme, context, inputs, baseline, progress))
+        .collect::<Result<Vec<_>, _>>()?;
+    progress.set_message(format!("{context} tokens: timing the schemes in turn"));
+    let mut steppers: Vec<&mut dyn Stepper> =
+        steps.iter_mut().map(|s| s as &mut dyn Stepper).collect();
+    let medians = median_step_times(&mut steppers, baseline.min_time)?;
+    progress.inc(schemes.len() as u64);
+    Ok(schemes
+        .iter()
+        .zip(&steps)
+        .zip(medians)
+        .map(|((&scheme, steps), median)| row(scheme, context, steps, median, baseline, None))
+        .collect())
+}
+
+/// One scheme's row, timed alternating with the same step in `peer`.
+fn peer_row(
     shape: Shape,
     scheme: Scheme,
     context: usize,
-    (pool, query): (&TokenPool, &[f32]),
+    inputs: (&TokenPool, &[f32]),
     baseline: &Baseline<'_>,
     progress: &ProgressBar,
-    peer: Option<&mut (dyn Peer + '_)>,
+    peer: &mut (dyn Peer + '_),
 ) -> Result<Row, CliError> {
+    let mut hipkv = hipkv_steps(shape, scheme, context, inputs, baseline, progress)?;
+    progress.set_message(format!("{scheme} @ {context}: building the peer's caches"));
+    let (cache_type, steps) = peer.steps(scheme, context)?;
+    let peer_bytes = steps.bytes_per_step();
+    let peer_sequences = steps.sequences();
+    progress.set_message(format!("{scheme} @ {context}: timing, alternating"));
+    let medians = median_step_times(&mut [&mut hipkv, steps], baseline.min_time)?;
+    let peer = PeerRow {
+        cache_type,
+        sequences: peer_sequences,
+        us_per_step: medians[1] * 1e6,
+        bytes_per_step: peer_bytes,
+        gb_per_s: peer_bytes as f64 / medians[1] / 1e9,
+        speedup: medians[1] / medians[0],
+    };
+    Ok(row(
+        scheme,
+        context,
+        &hipkv,
+        medians[0],
+        baseline,
+        Some(peer),
+    ))
+}
+
+/// The caches of one row, filled: enough sequences of `context` tokens to hold the baseline's
+/// working set.
+fn hipkv_steps<'a>(
+    shape: Shape,
+    scheme: Scheme,
+    context: usize,
+    (pool, query): (&TokenPool, &'a [f32]),
+    baseline: &Baseline<'_>,
+    progress: &ProgressBar,
+) -> Result<HipkvSteps<'a>, CliError> {
     let seq_bytes = shape.kv_heads * scheme.memory(shape.head_dim, context).total();
     let sequences = sequences_for(baseline.working_set, seq_bytes);
     let mut cache =
@@ -1125,56 +1203,40 @@ fn bench_row(
     }
     // Every sequence holds `context` tokens, so every step reads the same bytes.
     let bytes = cache.bytes_read(0, 0)?;
-    let mut hipkv = HipkvSteps {
+    Ok(HipkvSteps {
         out: vec![0f32; query.len()],
         query,
         scale: 1.0 / (shape.head_dim as f32).sqrt(),
         sequences,
         bytes,
         cache,
-    };
+    })
+}
 
-    let (median, peer) = match peer {
-        None => {
-            progress.set_message(format!("{scheme} @ {context}: timing"));
-            (
-                median_step_times(&mut [&mut hipkv], baseline.min_time)?[0],
-                None,
-            )
-        }
-        Some(peer) => {
-            progress.set_message(format!("{scheme} @ {context}: building the peer's caches"));
-            let (cache_type, steps) = peer.steps(scheme, context)?;
-            let peer_bytes = steps.bytes_per_step();
-            let peer_sequences = steps.sequences();
-            progress.set_message(format!("{scheme} @ {context}: timing, alternating"));
-            let medians = median_step_times(&mut [&mut hipkv, steps], baseline.min_time)?;
-            let row = PeerRow {
-                cache_type,
-                sequences: peer_sequences,
-                us_per_step: medians[1] * 1e6,
-                bytes_per_step: peer_bytes,
-                gb_per_s: peer_bytes as f64 / medians[1] / 1e9,
-                speedup: medians[1] / medians[0],
-            };
-            (medians[0], Some(row))
-        }
-    };
-    let gb_per_s = bytes as f64 / median / 1e9;
-    Ok(Row {
+/// The row of `steps`, whose median step took `median` seconds.
+fn row(
+    scheme: Scheme,
+    context: usize,
+    steps: &HipkvSteps<'_>,
+    median: f64,
+    baseline: &Baseline<'_>,
+    peer: Option<PeerRow>,
+) -> Row {
+    let gb_per_s = steps.bytes as f64 / median / 1e9;
+    Row {
         scheme: scheme.to_string(),
         context,
-        sequences,
+        sequences: steps.sequences,
         us_per_step: median * 1e6,
         gb_per_s,
         pct_of_memcpy: baseline.memcpy.map(|m| 100.0 * gb_per_s / m.read_gb_per_s),
         pct_of_peak: baseline.peak_gb_per_s.map(|p| 100.0 * gb_per_s / p),
         model_pct_of_peak: None,
-        bytes_per_step: bytes,
+        bytes_per_step: steps.bytes,
         speedup_vs_q8: None,
         speedup_vs_f16: None,
         peer,
-    })
+    }
 }
 
 /// Sequences of `seq_bytes` each that together hold more than `working_set` (at least two), so
@@ -1226,7 +1288,7 @@ fn median_step_times(
     steppers: &mut [&mut dyn Stepper],
     min_time: f64,
 ) -> Result<Vec<f64>, CliError> {
-    let blocks = if steppers.len() > 1 { PEER_BLOCKS } else { 1 };
+    let blocks = if steppers.len() > 1 { TIMING_BLOCKS } else { 1 };
     for stepper in steppers.iter_mut() {
         for seq in 0..stepper.sequences() {
             stepper.step(seq)?;
@@ -1359,7 +1421,7 @@ fn print_table(report: &Report) {
     }
     if let Some(peer) = &report.peer {
         println!(
-            "peer: {peer}; each row and its peer timed alternating, {PEER_BLOCKS} blocks each \
+            "peer: {peer}; each row and its peer timed alternating, {TIMING_BLOCKS} blocks each \
              (× peer = the peer's time / hipkv's)"
         );
     }
