@@ -116,12 +116,13 @@ pub(crate) trait Kernel: Copy {
     /// # Safety
     /// `p` points to 8 readable bytes.
     unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> Self::W;
-    /// `crumb8(p, 2·pass, table)` in lanes 0–7, `crumb8(p, 2·pass + 1, table)` in lanes 8–15
-    /// (`pass < 2`).
+    /// `crumb8(p, 2·pass, ..)` in lanes 0–7, `crumb8(p, 2·pass + 1, ..)` in lanes 8–15
+    /// (`pass < 2`), both of the table in lanes 0..8 of `table`, whose 16 lanes repeat lanes
+    /// 0..4 (a table built from [`CRUMB_CODES`] or a codebook's `table()`).
     ///
     /// # Safety
     /// `p` points to 8 readable bytes.
-    unsafe fn crumb16(self, p: *const u8, pass: u32, table: Self::V) -> Self::W;
+    unsafe fn crumb16(self, p: *const u8, pass: u32, table: Self::W) -> Self::W;
 
     // The decoders below read packed data straight from a page.
     //
@@ -142,7 +143,7 @@ pub(crate) trait Kernel: Copy {
     unsafe fn nib8_table(self, p: *const u8, high: bool, table: &[f32; 16]) -> Self::V;
     /// `table[code]` for eight 2-bit codes, one from each of 8 bytes: bits `2j..2j + 2`
     /// (channels `j, 4 + j, .., 28 + j` of the 32 the bytes hold; `j < 4`). Lanes 4..8 of
-    /// `table` must repeat lanes 0..4 (see [`Kernel::crumb_table`]).
+    /// `table` must repeat lanes 0..4 (as [`CRUMB_CODES`] does).
     unsafe fn crumb8(self, p: *const u8, j: u32, table: Self::V) -> Self::V;
 
     // Integer dot products of the `iq` key scores (llama.cpp's CPU path): 32 one-byte codes per
@@ -174,15 +175,6 @@ pub(crate) trait Kernel: Copy {
     /// [`dot_u8_i8`](Self::dot_u8_i8) of signed `a` (int8 codes) and `s`: `|a|` against `s`
     /// with `a`'s signs.
     fn dot_i8_i8(self, a: Self::B, s: Self::B) -> Self::V;
-
-    /// The `crumb8` table of `scale · code + min` (lane `i` holds code `i % 4`), computed as
-    /// `fmadd(code, scale, min)` like every other affine decode; `(1, 0)` gives the codes.
-    #[inline(always)]
-    fn crumb_table(self, scale: f32, min: f32) -> Self::V {
-        // SAFETY: `CRUMB_CODES` holds 8 floats.
-        let codes = unsafe { self.load_ptr(CRUMB_CODES.as_ptr()) };
-        self.fmadd(codes, self.splat(scale), self.splat(min))
-    }
 
     /// Hints that `bytes` will be read soon. Pages are scattered in the pool and hardware
     /// prefetchers stop at 4 KiB boundaries, so attention fetches the next block ahead.
@@ -239,8 +231,12 @@ pub(crate) trait Kernel: Copy {
     }
 }
 
-/// The 2-bit codes of the lanes of a [`Kernel::crumb8`] table.
-static CRUMB_CODES: [f32; 8] = [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0];
+/// The 2-bit codes as the lanes of a [`Kernel::crumb8`] (first 8) or [`Kernel::crumb16`]
+/// table: lane `i` holds code `i % 4`. A per-token table is `fmadd(codes, scale, min)`, like
+/// every other affine decode.
+pub(crate) static CRUMB_CODES: [f32; 16] = [
+    0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0,
+];
 
 /// Coefficients of `2^f - 1 ≈ f · P(f)` on `[-0.5, 0.5]` (Cephes `exp2f`).
 const EXP2_POLY: [f32; 6] = [
@@ -353,12 +349,12 @@ macro_rules! wide_as_pairs {
         }
 
         #[inline(always)]
-        unsafe fn crumb16(self, p: *const u8, pass: u32, table: $v) -> [$v; 2] {
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: [$v; 2]) -> [$v; 2] {
             // SAFETY: the caller guarantees 8 readable bytes.
             unsafe {
                 [
-                    Kernel::crumb8(self, p, 2 * pass, table),
-                    Kernel::crumb8(self, p, 2 * pass + 1, table),
+                    Kernel::crumb8(self, p, 2 * pass, table[0]),
+                    Kernel::crumb8(self, p, 2 * pass + 1, table[0]),
                 ]
             }
         }
@@ -640,7 +636,7 @@ mod avx2 {
         unsafe fn nib16_scaled(self, p: *const u8, scale: f32, min: f32) -> Self::W;
         /// # Safety
         /// As [`Kernel::crumb16`].
-        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m256) -> Self::W;
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: Self::W) -> Self::W;
     }
 
     impl Wide for Avx2 {
@@ -761,10 +757,10 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m256) -> __m512 {
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m512) -> __m512 {
             // SAFETY: see the module note; the caller guarantees 8 readable bytes. As
             // `crumb8`: the 16-lane permute reads the low 4 bits of each index, and the
-            // joined table repeats itself every 4 lanes.
+            // table repeats itself every 4 lanes.
             unsafe {
                 let bytes = _mm512_cvtepu8_epi32(twice(p));
                 let first = (4 * pass) as i32;
@@ -772,7 +768,6 @@ mod avx2 {
                     _mm512_set1_epi32(first),
                     _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
                 );
-                let table = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(table), table);
                 _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift), table)
             }
         }
@@ -1036,7 +1031,7 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn crumb16(self, p: *const u8, pass: u32, table: __m256) -> Self::W {
+        unsafe fn crumb16(self, p: *const u8, pass: u32, table: Self::W) -> Self::W {
             // SAFETY: the caller's contract is `Wide::crumb16`'s.
             unsafe { Wide::crumb16(self, p, pass, table) }
         }
@@ -1348,7 +1343,9 @@ mod tests {
                 .collect();
             let bytes = [0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a];
             let fp8 = [0x10u8, 0xf2, 0x7e, 0x80, 0x01, 0xfe, 0x00, 0x5a];
-            let table = k.crumb_table(0.5, -1.0);
+            let crumb_levels: Vec<f32> = CRUMB_CODES.iter().map(|c| c * 0.5 - 1.0).collect();
+            // SAFETY: `crumb_levels` holds 16 floats.
+            let table = unsafe { k.load_ptr(crumb_levels.as_ptr()) };
             let levels: [f32; 16] = std::array::from_fn(|i| (i * i) as f32 * 0.0625);
             let mut out = Vec::new();
             let mut buf = [0f32; 8];
@@ -1414,12 +1411,14 @@ mod tests {
                 0x10u8, 0xf2, 0x7f, 0x80, 0x01, 0xff, 0x00, 0x5a, 0x3c, 0xc3, 0x81, 0x7e, 0x55,
                 0xaa, 0x0f, 0xf0,
             ];
-            let table = k.crumb_table(0.5, -1.0);
+            let levels: Vec<f32> = CRUMB_CODES.iter().map(|c| c * 0.5 - 1.0).collect();
             let (mut wide, mut pairs) = (Vec::new(), Vec::new());
             let mut buf = [0f32; 16];
             // SAFETY: `a` and `b` hold 16 floats, `halves` 32 bytes and `bytes` 16; `buf` 16
             // floats.
             unsafe {
+                let (table, wide_table) =
+                    (k.load_ptr(levels.as_ptr()), k.wload_ptr(levels.as_ptr()));
                 let (wa, wb) = (k.wload_ptr(a.as_ptr()), k.wload_ptr(b.as_ptr()));
                 let (a0, a1) = (k.load_ptr(a.as_ptr()), k.load_ptr(a.as_ptr().add(8)));
                 let (b0, b1) = (k.load_ptr(b.as_ptr()), k.load_ptr(b.as_ptr().add(8)));
@@ -1433,8 +1432,8 @@ mod tests {
                     k.nib16(p),
                     k.nib16(p.add(8)),
                     k.nib16_scaled(p, 0.37, -1.3),
-                    k.crumb16(p, 0, table),
-                    k.crumb16(p, 1, table),
+                    k.crumb16(p, 0, wide_table),
+                    k.crumb16(p, 1, wide_table),
                 ] {
                     k.wstore_ptr(w, buf.as_mut_ptr());
                     wide.extend(buf);

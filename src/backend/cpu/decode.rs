@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 use crate::quant::{Codebook, get_f16};
 use crate::scheme::{Format, LowBits, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 
-use super::super::simd::Kernel;
+use super::super::simd::{CRUMB_CODES, Kernel};
 use super::view::StreamBlock;
 
 /// Binds `$rows` to the [`Rows`] decoder of stream block `$s` (its parameters converted into
@@ -478,19 +478,30 @@ pub(super) struct ChanCodes<'a, const BITS: usize> {
     pub(super) book: Option<&'a Codebook>,
 }
 
-impl<const BITS: usize> ChanCodes<'_, BITS> {
+impl<'a, const BITS: usize> ChanCodes<'a, BITS> {
+    /// The 16 levels codes decode to in units of the scale: the codebook's, or for 2-bit
+    /// codes without one the codes themselves, repeated over 16 lanes as the crumb lookups
+    /// read them. One load from a loop-invariant address, where choosing between the two
+    /// inside the loops cost a branch and register copies per table.
+    #[inline(always)]
+    fn levels(&self) -> &'a [f32; 16] {
+        self.book.map_or(&CRUMB_CODES, |b| b.table())
+    }
+
     /// The `crumb8` table of `scale · level + min` for this stream's levels.
     #[inline(always)]
     pub(super) fn crumb_table<K: Kernel>(&self, k: K, scale: f32, min: f32) -> K::V {
-        match self.book {
-            // SAFETY: a codebook's table holds 16 floats, the 2-bit levels repeated.
-            Some(b) => k.fmadd(
-                unsafe { k.load_ptr(b.table().as_ptr()) },
-                k.splat(scale),
-                k.splat(min),
-            ),
-            None => k.crumb_table(scale, min),
-        }
+        // SAFETY: `levels` holds 16 floats.
+        let levels = unsafe { k.load_ptr(self.levels().as_ptr()) };
+        k.fmadd(levels, k.splat(scale), k.splat(min))
+    }
+
+    /// The `crumb16` table of `scale · level + min` for this stream's levels.
+    #[inline(always)]
+    pub(super) fn crumb_wtable<K: Kernel>(&self, k: K, scale: f32, min: f32) -> K::W {
+        // SAFETY: `levels` holds 16 floats.
+        let levels = unsafe { k.wload_ptr(self.levels().as_ptr()) };
+        k.wfmadd(levels, k.wsplat(scale), k.wsplat(min))
     }
 
     /// `table[code]` for positions `c0 + 8j ..+ 8` of row `t` (`table` is used by 2-bit codes
@@ -537,7 +548,7 @@ impl<const BITS: usize> ChanCodes<'_, BITS> {
         t: usize,
         c0: usize,
         pass: usize,
-        table: K::V,
+        table: K::W,
     ) -> K::W {
         // SAFETY: `c0` is a multiple of `CHUNK` (16 or 32 positions, 8 bytes), whose load
         // holds positions `c0 + 16·pass .. + 16`.
@@ -566,8 +577,11 @@ impl<const BITS: usize> Rows for ChanCodes<'_, BITS> {
 
     #[inline(always)]
     unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
-        // SAFETY: forwarded contract.
-        unsafe { self.lookup16(k, t, c0, pass, self.crumb_table(k, 1.0, 0.0)) }
+        // SAFETY: forwarded contract; `levels` holds 16 floats.
+        unsafe {
+            let levels = k.wload_ptr(self.levels().as_ptr());
+            self.lookup16(k, t, c0, pass, levels)
+        }
     }
 }
 
@@ -624,7 +638,7 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
         unsafe {
             if BITS == 4 && self.codes.book.is_some() {
                 // The parameters after the codes: each load then broadcasts from memory.
-                let codes = self.codes.lookup16(k, t, c0, pass, k.splat(0.0));
+                let codes = self.codes.lookup16(k, t, c0, pass, k.wsplat(0.0));
                 let scale = k.wsplat(*self.params.get_unchecked(p));
                 k.wfmadd(codes, scale, k.wsplat(*self.params.get_unchecked(p + 1)))
             } else {
@@ -635,7 +649,7 @@ impl<const BITS: usize> Rows for TokRows<'_, BITS> {
                 if BITS == 4 {
                     k.nib16_scaled(self.codes.packed.at(t, c0 / 2), scale, min)
                 } else {
-                    let table = self.codes.crumb_table(k, scale, min);
+                    let table = self.codes.crumb_wtable(k, scale, min);
                     self.codes.lookup16(k, t, c0, pass, table)
                 }
             }
