@@ -42,6 +42,11 @@ impl RopeTable {
         self.pairs_at(position).as_flattened()
     }
 
+    /// Positions `first .. first + n`'s rows, one after the other: `n × head_dim` floats.
+    pub(crate) fn rows(&self, first: usize, n: usize) -> &[f32] {
+        self.cos_sin[first * self.pairs..(first + n) * self.pairs].as_flattened()
+    }
+
     fn pairs_at(&self, position: usize) -> &[[f32; 2]] {
         &self.cos_sin[position * self.pairs..(position + 1) * self.pairs]
     }

@@ -73,7 +73,11 @@ fn options_sinks_groups_outliers_and_rope() {
             "f16",
             "kivi2",
             "kivi2,pre_rope",
+            "kivi4,pre_rope",
+            "k=q4_tok,v=q4_tok,pre_rope",
             "kivi4,pre_rope,outliers,sinks=2",
+            "kv3",
+            "kv2",
         ] {
             check(
                 with_rope(config(scheme, 1, 3, 64, 200), layout),
@@ -82,6 +86,19 @@ fn options_sinks_groups_outliers_and_rope() {
                 4,
                 5,
             );
+        }
+        // Pre-RoPE keys at the other head_dims' unrolled loops: 4-bit ones decoded, rotated
+        // and scored, 2-bit ones rotated as they are decoded.
+        for d in [128, 256] {
+            for scheme in ["kv4", "kv2"] {
+                check(
+                    with_rope(config(scheme, 1, 4, d, 200), layout),
+                    150,
+                    20,
+                    2,
+                    6,
+                );
+            }
         }
     }
 }

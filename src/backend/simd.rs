@@ -64,6 +64,10 @@ pub(crate) trait Kernel: Copy {
         cs0: Self::V,
         cs1: Self::V,
     ) -> (Self::V, Self::V);
+    /// RoPE of eight pairs `(a[i], b[i])` by their cosines `c` and sines `s`:
+    /// `(a·c − b·s, a·s + b·c)`, each product rounded, as [`crate::RopeTable::rotate`]
+    /// computes it.
+    fn rotate_split(self, a: Self::V, b: Self::V, c: Self::V, s: Self::V) -> (Self::V, Self::V);
     /// Sum of the lanes of each of eight vectors, each as
     /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
     fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
@@ -95,6 +99,8 @@ pub(crate) trait Kernel: Copy {
     /// `a * b + c`, fused where the CPU can.
     fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
     fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
+    /// [`Kernel::rotate_split`] of `x = [a | b]` by `cs = [c | s]`: `[a·c − b·s | a·s + b·c]`.
+    fn wrotate_split(self, x: Self::W, cs: Self::W) -> Self::W;
     /// Sum of the lanes of each of eight wide vectors. The pairs add their halves and then
     /// `hsum8`; the AVX-512 build adds in another order, across 512-bit shuffles.
     fn wsum8(self, w: [Self::W; 8]) -> [f32; 8];
@@ -311,6 +317,12 @@ macro_rules! wide_as_pairs {
         }
 
         #[inline(always)]
+        fn wrotate_split(self, x: [$v; 2], cs: [$v; 2]) -> [$v; 2] {
+            let (a, b) = Kernel::rotate_split(self, x[0], x[1], cs[0], cs[1]);
+            [a, b]
+        }
+
+        #[inline(always)]
         fn wsum8(self, w: [[$v; 2]; 8]) -> [f32; 8] {
             let mut folded = [Kernel::splat(self, 0.0); 8];
             for (f, w) in folded.iter_mut().zip(w) {
@@ -455,6 +467,20 @@ impl Kernel for Portable {
         (
             std::array::from_fn(|i| lo[i] * cs(i, 0) - hi[i] * cs(i, 1)),
             std::array::from_fn(|i| lo[i] * cs(i, 1) + hi[i] * cs(i, 0)),
+        )
+    }
+
+    #[inline(always)]
+    fn rotate_split(
+        self,
+        a: [f32; 8],
+        b: [f32; 8],
+        c: [f32; 8],
+        s: [f32; 8],
+    ) -> ([f32; 8], [f32; 8]) {
+        (
+            std::array::from_fn(|i| a[i] * c[i] - b[i] * s[i]),
+            std::array::from_fn(|i| a[i] * s[i] + b[i] * c[i]),
         )
     }
 
@@ -621,6 +647,7 @@ mod avx2 {
         unsafe fn wstore_ptr(self, w: Self::W, p: *mut f32);
         fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
         fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
+        fn wrotate_split(self, x: Self::W, cs: Self::W) -> Self::W;
         fn wsum8(self, w: [Self::W; 8]) -> [f32; 8];
         /// # Safety
         /// As [`Kernel::f16x16`].
@@ -681,6 +708,20 @@ mod avx2 {
         fn wmul(self, a: __m512, b: __m512) -> __m512 {
             // SAFETY: see the module note; register-only.
             unsafe { _mm512_mul_ps(a, b) }
+        }
+
+        #[inline(always)]
+        fn wrotate_split(self, x: __m512, cs: __m512) -> __m512 {
+            // SAFETY: see the module note; register-only. With `[a | b]` swapped to `[b | a]`,
+            // `x·[c | c]` and `swap·[s | s]` hold `a·c, b·c` and `b·s, a·s`: their difference
+            // in lanes 0–7 and their sum in lanes 8–15.
+            unsafe {
+                let swapped = _mm512_shuffle_f32x4::<0b01_00_11_10>(x, x);
+                let c = _mm512_shuffle_f32x4::<0b01_00_01_00>(cs, cs);
+                let s = _mm512_shuffle_f32x4::<0b11_10_11_10>(cs, cs);
+                let (xc, ys) = (_mm512_mul_ps(x, c), _mm512_mul_ps(swapped, s));
+                _mm512_mask_sub_ps(_mm512_add_ps(xc, ys), 0x00ff, xc, ys)
+            }
         }
 
         #[inline(always)]
@@ -937,6 +978,17 @@ mod avx2 {
         }
 
         #[inline(always)]
+        fn rotate_split(self, a: __m256, b: __m256, c: __m256, s: __m256) -> (__m256, __m256) {
+            // SAFETY: see the module note; register-only.
+            unsafe {
+                (
+                    _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)),
+                    _mm256_add_ps(_mm256_mul_ps(a, s), _mm256_mul_ps(b, c)),
+                )
+            }
+        }
+
+        #[inline(always)]
         fn hsum8(self, v: [__m256; 8]) -> [f32; 8] {
             // SAFETY: see the module note; register-only. Two rounds of pairwise adds leave
             // each vector's low-half sum in the low lanes and its high-half sum in the high
@@ -999,6 +1051,11 @@ mod avx2 {
         #[inline(always)]
         fn wmul(self, a: Self::W, b: Self::W) -> Self::W {
             Wide::wmul(self, a, b)
+        }
+
+        #[inline(always)]
+        fn wrotate_split(self, x: Self::W, cs: Self::W) -> Self::W {
+            Wide::wrotate_split(self, x, cs)
         }
 
         #[inline(always)]
@@ -1373,7 +1430,8 @@ mod tests {
             out.extend(k.hsum8([va, vb, prod, one, vb, prod, va, one]));
             let (lo, hi) = k.interleave(va, vb);
             let (even, odd) = k.deinterleave(va, vb);
-            for v in [lo, hi, even, odd] {
+            let (first, second) = k.rotate_split(va, vb, prod, k.add(va, one));
+            for v in [lo, hi, even, odd, first, second] {
                 k.store(v, &mut buf);
                 out.extend(buf);
             }
@@ -1426,6 +1484,7 @@ mod tests {
                 for w in [
                     k.wfmadd(wa, wb, k.wsplat(0.5)),
                     k.wmul(wa, wb),
+                    k.wrotate_split(wa, wb),
                     k.join(a0, b1),
                     k.f16x16(halves.as_ptr()),
                     k.i8x16(p),
@@ -1441,6 +1500,10 @@ mod tests {
                 for [lo, hi] in [
                     [k.fmadd(a0, b0, k.splat(0.5)), k.fmadd(a1, b1, k.splat(0.5))],
                     [k.mul(a0, b0), k.mul(a1, b1)],
+                    {
+                        let (first, second) = k.rotate_split(a0, a1, b0, b1);
+                        [first, second]
+                    },
                     [a0, b1],
                     [k.f16x8(halves.as_ptr()), k.f16x8(halves.as_ptr().add(16))],
                     [k.i8x8(p), k.i8x8(p.add(8))],
@@ -1496,7 +1559,7 @@ mod tests {
     #[test]
     fn every_tiers_wide_primitives_are_two_narrow_ones_joined() {
         for (tier, (wide, pairs)) in on_every_tier(|| WidePrimitives) {
-            assert_eq!(wide.len(), 10 * 16);
+            assert_eq!(wide.len(), 11 * 16);
             for (i, (w, p)) in wide.iter().zip(&pairs).enumerate() {
                 assert_eq!(w.to_bits(), p.to_bits(), "{tier:?}, value {i}: {w} vs {p}");
             }

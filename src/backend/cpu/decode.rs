@@ -692,6 +692,51 @@ impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
     }
 }
 
+/// Pre-RoPE key rows rotated to their positions as they are decoded, in the codes' order
+/// ([`Order::Nibbles`] or [`Order::Crumbs`]; the loops use it for crumbs) with interleaved
+/// RoPE pairs `(2i, 2i + 1)`: there every 8 positions of a chunk that hold channels `2i` are
+/// followed by the 8 that hold their partners `2i + 1`, so a pair's two elements sit in the
+/// same lane of two neighbouring vectors. `cs` holds the block's `[cos, sin]` rows put into the same order (a row of pairs
+/// permuted as a row of channels puts each pair's cosine where its first element goes).
+pub(super) struct RotatedRows<'a, R> {
+    pub(super) rows: &'a R,
+    /// `n × d`: the RoPE rows of the block's positions, in the codes' order.
+    pub(super) cs: &'a [f32],
+    pub(super) d: usize,
+}
+
+impl<R: Rows> Rows for RotatedRows<'_, R> {
+    const CHUNK: usize = R::CHUNK;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        let (first, second) = (j & !1, j | 1);
+        // SAFETY: forwarded contract for the pair's two vectors of the same chunk; `cs` holds
+        // `n × d` floats (checked where built), and `t < n`, `c0 + 8·second + 8 <= d`.
+        unsafe {
+            let a = self.rows.row8(k, t, c0, first);
+            let b = self.rows.row8(k, t, c0, second);
+            let cs = self.cs.as_ptr().add(t * self.d + c0);
+            let (c, s) = (
+                k.load_ptr(cs.add(8 * first)),
+                k.load_ptr(cs.add(8 * second)),
+            );
+            let (a, b) = k.rotate_split(a, b, c, s);
+            if j == first { a } else { b }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        // SAFETY: as in `row8`: the 16 positions are one pair of vectors.
+        unsafe {
+            let x = self.rows.row16(k, t, c0, pass);
+            let cs = k.wload_ptr(self.cs.as_ptr().add(t * self.d + c0 + 16 * pass));
+            k.wrotate_split(x, cs)
+        }
+    }
+}
+
 impl StreamBlock<'_> {
     /// Converts the f16 parameters of the first `n` tokens to f32 in `out`, laid out as the
     /// format's [`Rows`] reads them.

@@ -98,9 +98,29 @@ pub(super) fn run_item<K: Kernel>(
         let mut prefetch_k = Prefetch::new(k, next.map(|b| &b.k), n.div_ceil(2));
         let mut prefetch_v = Prefetch::new(k, next.map(|b| &b.v), d / 16);
         let order = Order::of(block.k.format);
-        if view.layout.scheme().pre_rope {
-            // Keys stored before RoPE: dequantize the block's keys and rotate each to its
-            // position (KVQuant), then score the rotated rows.
+        let rope = view.rope.filter(|_| view.layout.scheme().pre_rope);
+        if let Some(rope) = rope.filter(|r| {
+            r.layout() == RopeLayout::Interleaved
+                && order == Order::Crumbs
+                && block.k.outliers.is_none()
+        }) {
+            // 2-bit keys stored before RoPE, with interleaved pairs: rotated as they are
+            // decoded (`RotatedRows`), against the block's RoPE rows put into the codes' order.
+            // (For 4-bit keys that per-block reordering of the RoPE rows cost more than the
+            // decode-rotate-score path below, whose 4-bit decode is cheaper than the 2-bit one:
+            // docs/performance.md, "Pre-RoPE 2-bit keys rotated as they are decoded".)
+            order.permute(k, rope.rows(block.first_pos, n), d, &mut dense);
+            with_rows!(k, block.k, n, params, |rows| {
+                let rows = RotatedRows {
+                    rows: &rows,
+                    cs: &dense,
+                    d,
+                };
+                score_block(k, &rows, n, d, &queries, &mut scores, g, &mut prefetch_k);
+            });
+        } else if view.layout.scheme().pre_rope {
+            // Keys stored before RoPE otherwise: dequantize the block's keys and rotate each
+            // to its position (KVQuant), then score the rotated rows.
             dense.resize(n * d, 0.0);
             with_rows!(k, block.k, n, params, |rows| decode_block(
                 k, &rows, order, n, d, &mut dense
