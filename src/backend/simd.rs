@@ -54,20 +54,23 @@ pub(crate) trait Kernel: Copy {
     /// `(a·c − b·s, a·s + b·c)`, each product rounded, as [`crate::RopeTable::rotate`] computes
     /// it.
     fn rotate_pairs(self, x: Self::V, cs: Self::V) -> Self::V;
-    /// RoPE of eight split pairs `(lo[i], hi[i])` by `cs0, cs1`, the pairs' 16 `cos, sin`
-    /// floats: `(lo·c − hi·s, lo·s + hi·c)`, each product rounded, as
-    /// [`crate::RopeTable::rotate`] computes it.
+    /// RoPE of eight pairs `(a[i], b[i])` by their cosines `c` and sines `s`:
+    /// `(a·c − b·s, a·s + b·c)`, each product rounded, as [`crate::RopeTable::rotate`]
+    /// computes it.
+    fn rotate_split(self, a: Self::V, b: Self::V, c: Self::V, s: Self::V) -> (Self::V, Self::V);
+    /// [`Kernel::rotate_split`] of eight split pairs `(lo[i], hi[i])` by `cs0, cs1`, the
+    /// pairs' 16 `cos, sin` floats as the RoPE table interleaves them.
+    #[inline(always)]
     fn rotate_halves(
         self,
         lo: Self::V,
         hi: Self::V,
         cs0: Self::V,
         cs1: Self::V,
-    ) -> (Self::V, Self::V);
-    /// RoPE of eight pairs `(a[i], b[i])` by their cosines `c` and sines `s`:
-    /// `(a·c − b·s, a·s + b·c)`, each product rounded, as [`crate::RopeTable::rotate`]
-    /// computes it.
-    fn rotate_split(self, a: Self::V, b: Self::V, c: Self::V, s: Self::V) -> (Self::V, Self::V);
+    ) -> (Self::V, Self::V) {
+        let (c, s) = self.deinterleave(cs0, cs1);
+        self.rotate_split(lo, hi, c, s)
+    }
     /// Sum of the lanes of each of eight vectors, each as
     /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
     fn hsum8(self, v: [Self::V; 8]) -> [f32; 8];
@@ -446,28 +449,6 @@ impl Kernel for Portable {
                 a * s + b * c
             }
         })
-    }
-
-    #[inline(always)]
-    fn rotate_halves(
-        self,
-        lo: [f32; 8],
-        hi: [f32; 8],
-        cs0: [f32; 8],
-        cs1: [f32; 8],
-    ) -> ([f32; 8], [f32; 8]) {
-        // Pair `i`'s cosine (`part` 0) or sine (1).
-        let cs = |i: usize, part: usize| {
-            if i < 4 {
-                cs0[2 * i + part]
-            } else {
-                cs1[2 * i - 8 + part]
-            }
-        };
-        (
-            std::array::from_fn(|i| lo[i] * cs(i, 0) - hi[i] * cs(i, 1)),
-            std::array::from_fn(|i| lo[i] * cs(i, 1) + hi[i] * cs(i, 0)),
-        )
     }
 
     #[inline(always)]
@@ -951,29 +932,6 @@ mod avx2 {
                 let (c, s) = (_mm256_moveldup_ps(cs), _mm256_movehdup_ps(cs));
                 let swapped = _mm256_permute_ps::<0b10_11_00_01>(x);
                 _mm256_addsub_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(swapped, s))
-            }
-        }
-
-        #[inline(always)]
-        fn rotate_halves(
-            self,
-            lo: __m256,
-            hi: __m256,
-            cs0: __m256,
-            cs1: __m256,
-        ) -> (__m256, __m256) {
-            // SAFETY: see the module note; register-only. Each shuffle takes the cosines (or
-            // sines) of pairs 0, 1, 4, 5 | 2, 3, 6, 7; the 64-bit permute puts them in order.
-            unsafe {
-                let order = |v: __m256| {
-                    _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(v)))
-                };
-                let c = order(_mm256_shuffle_ps::<0b10_00_10_00>(cs0, cs1));
-                let s = order(_mm256_shuffle_ps::<0b11_01_11_01>(cs0, cs1));
-                (
-                    _mm256_sub_ps(_mm256_mul_ps(lo, c), _mm256_mul_ps(hi, s)),
-                    _mm256_add_ps(_mm256_mul_ps(lo, s), _mm256_mul_ps(hi, c)),
-                )
             }
         }
 

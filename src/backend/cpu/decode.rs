@@ -696,8 +696,9 @@ impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
 /// ([`Order::Nibbles`] or [`Order::Crumbs`]; the loops use it for crumbs) with interleaved
 /// RoPE pairs `(2i, 2i + 1)`: there every 8 positions of a chunk that hold channels `2i` are
 /// followed by the 8 that hold their partners `2i + 1`, so a pair's two elements sit in the
-/// same lane of two neighbouring vectors. `cs` holds the block's `[cos, sin]` rows put into the same order (a row of pairs
-/// permuted as a row of channels puts each pair's cosine where its first element goes).
+/// same lane of two neighbouring vectors. `cs` holds the block's `[cos, sin]` rows put into
+/// the same order (a row of pairs permuted as a row of channels puts each pair's cosine where
+/// its first element goes).
 pub(super) struct RotatedRows<'a, R> {
     pub(super) rows: &'a R,
     /// `n × d`: the RoPE rows of the block's positions, in the codes' order.
