@@ -155,35 +155,46 @@ pub(crate) trait Kernel: Copy {
     /// `table` must repeat lanes 0..4 (as [`CRUMB_CODES`] does).
     unsafe fn crumb8(self, p: *const u8, j: u32, table: Self::V) -> Self::V;
 
-    // Integer dot products of the `iq` key scores (llama.cpp's CPU path): 32 one-byte codes per
+    // Integer dot products of the `iq` key scores (llama.cpp's CPU path): 32 int8 codes per
     // register, multiplied by an int8 query block and summed in 32-bit integers.
 
-    /// 32 bytes: unsigned codes or int8 query values.
+    /// 32 bytes: int8 codes or query values.
     type B: Copy;
     /// 32 bytes as they are.
     ///
     /// # Safety
     /// `p` points to 32 readable bytes.
     unsafe fn bytes32(self, p: *const u8) -> Self::B;
-    /// The 32 4-bit codes of 16 bytes, one per byte, in the loops' `Order::Nibbles`: the low
-    /// nibbles of bytes 0..8, their high nibbles, then the same of bytes 8..16.
-    ///
-    /// # Safety
-    /// `p` points to 16 readable bytes.
-    unsafe fn nib32(self, p: *const u8) -> Self::B;
-    /// The 32 2-bit codes of 8 bytes, one per byte, in the loops' `Order::Crumbs`: bits 0..2 of
-    /// bytes 0..8, then bits 2..4, 4..6 and 6..8.
-    ///
-    /// # Safety
-    /// `p` points to 8 readable bytes.
-    unsafe fn crumb32(self, p: *const u8) -> Self::B;
-    /// `Σ u[i]·s[i]` of unsigned `u` (each at most 128) and signed `s` (each in `[-127, 127]`),
-    /// exact in 32-bit integers, as 8 f32 lanes whose sum is the dot product (lane `j` holds
-    /// products `4j..4j + 4`).
-    fn dot_u8_i8(self, u: Self::B, s: Self::B) -> Self::V;
-    /// [`dot_u8_i8`](Self::dot_u8_i8) of signed `a` (int8 codes) and `s`: `|a|` against `s`
-    /// with `a`'s signs.
+    /// `Σ a[i]·s[i]` of int8 `a` and `s` (each in `[-127, 127]`), exact in 32-bit integers, as
+    /// 8 f32 lanes whose sum is the dot product (lane `j` holds products `4j..4j + 4`).
     fn dot_i8_i8(self, a: Self::B, s: Self::B) -> Self::V;
+
+    // The token-lane `iq` scores of 4- and 2-bit keys: sixteen keys side by side, one per
+    // 32-bit lane, so that one `vpdpbusd` multiplies four codes of each of sixteen keys by the
+    // same four query bytes and each key's score ends in its own lane, with no lane sums.
+
+    /// Sixteen i32 lanes, lane `t` for key `t`.
+    type I: Copy;
+    fn izero(self) -> Self::I;
+    /// Sixteen runs of 16 bytes, run `t` at `p + t·stride`, transposed: lane `t` of vector
+    /// `j` holds bytes `4j..4j + 4` of run `t` (little-endian).
+    ///
+    /// # Safety
+    /// The 16 bytes of each run are readable.
+    unsafe fn dwords16(self, p: *const u8, stride: usize) -> [Self::I; 4];
+    /// `(x >> shift) & mask` in every byte (`shift < 8`, and `mask >> (8 - shift)` zero): one
+    /// field of the codes packed in each byte.
+    fn byte_field(self, x: Self::I, shift: u32, mask: u8) -> Self::I;
+    /// `acc + Σ_{i<4} u[i]·q[i]` in every lane, of the lane's unsigned bytes `u[i]` (each
+    /// below 128) and the int8 bytes of `q` (little-endian), exact in 32-bit integers.
+    fn dot4(self, acc: Self::I, u: Self::I, q: i32) -> Self::I;
+    /// The lanes as f32 (exact for magnitudes below 2^24).
+    fn i_to_f32(self, x: Self::I) -> Self::W;
+    /// Lane `t` is `*p.add(t · stride)`.
+    ///
+    /// # Safety
+    /// `p.add(t · stride)` is readable for every `t < 16`.
+    unsafe fn wgather(self, p: *const f32, stride: usize) -> Self::W;
 
     /// Hints that `bytes` will be read soon. Pages are scattered in the pool and hardware
     /// prefetchers stop at 4 KiB boundaries, so attention fetches the next block ahead.
@@ -533,38 +544,65 @@ impl Kernel for Portable {
     }
 
     #[inline(always)]
-    unsafe fn nib32(self, p: *const u8) -> [u8; 32] {
-        // SAFETY: the caller guarantees 16 readable bytes.
-        let b = unsafe { p.cast::<[u8; 16]>().read_unaligned() };
-        std::array::from_fn(|i| {
-            let (half, nibble, byte) = (i / 16, (i / 8) % 2, i % 8);
-            (b[8 * half + byte] >> (4 * nibble)) & 15
-        })
-    }
-
-    #[inline(always)]
-    unsafe fn crumb32(self, p: *const u8) -> [u8; 32] {
-        // SAFETY: the caller guarantees 8 readable bytes.
-        let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
-        std::array::from_fn(|i| (b[i % 8] >> (2 * (i / 8))) & 3)
-    }
-
-    #[inline(always)]
-    fn dot_u8_i8(self, u: [u8; 32], s: [u8; 32]) -> [f32; 8] {
-        std::array::from_fn(|j| {
-            (4 * j..4 * j + 4)
-                .map(|i| i32::from(u[i]) * i32::from(s[i] as i8))
-                .sum::<i32>() as f32
-        })
-    }
-
-    #[inline(always)]
     fn dot_i8_i8(self, a: [u8; 32], s: [u8; 32]) -> [f32; 8] {
         std::array::from_fn(|j| {
             (4 * j..4 * j + 4)
                 .map(|i| i32::from(a[i] as i8) * i32::from(s[i] as i8))
                 .sum::<i32>() as f32
         })
+    }
+
+    type I = [i32; 16];
+
+    #[inline(always)]
+    fn izero(self) -> [i32; 16] {
+        [0; 16]
+    }
+
+    #[inline(always)]
+    unsafe fn dwords16(self, p: *const u8, stride: usize) -> [[i32; 16]; 4] {
+        std::array::from_fn(|j| {
+            std::array::from_fn(|t| {
+                // SAFETY: the caller guarantees the 16 bytes at `p + t·stride`.
+                i32::from_le_bytes(unsafe { p.add(t * stride + 4 * j).cast::<[u8; 4]>().read() })
+            })
+        })
+    }
+
+    #[inline(always)]
+    fn byte_field(self, x: [i32; 16], shift: u32, mask: u8) -> [i32; 16] {
+        let mask = i32::from_le_bytes([mask; 4]);
+        x.map(|v| ((v as u32) >> shift) as i32 & mask)
+    }
+
+    #[inline(always)]
+    fn dot4(self, acc: [i32; 16], u: [i32; 16], q: i32) -> [i32; 16] {
+        let q = q.to_le_bytes();
+        std::array::from_fn(|t| {
+            let u = u[t].to_le_bytes();
+            acc[t]
+                + (0..4)
+                    .map(|i| i32::from(u[i]) * i32::from(q[i] as i8))
+                    .sum::<i32>()
+        })
+    }
+
+    #[inline(always)]
+    fn i_to_f32(self, x: [i32; 16]) -> [[f32; 8]; 2] {
+        [
+            std::array::from_fn(|i| x[i] as f32),
+            std::array::from_fn(|i| x[8 + i] as f32),
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn wgather(self, p: *const f32, stride: usize) -> [[f32; 8]; 2] {
+        // SAFETY: the caller guarantees every `p + t·stride`, `t < 16`.
+        let lane = |t: usize| unsafe { *p.add(t * stride) };
+        [
+            std::array::from_fn(lane),
+            std::array::from_fn(|i| lane(8 + i)),
+        ]
     }
 }
 
@@ -645,10 +683,120 @@ mod avx2 {
         /// # Safety
         /// As [`Kernel::crumb16`].
         unsafe fn crumb16(self, p: *const u8, pass: u32, table: Self::W) -> Self::W;
+        type I: Copy;
+        fn izero(self) -> Self::I;
+        /// # Safety
+        /// As [`Kernel::dwords16`].
+        unsafe fn dwords16(self, p: *const u8, stride: usize) -> [Self::I; 4];
+        fn byte_field(self, x: Self::I, shift: u32, mask: u8) -> Self::I;
+        fn dot4(self, acc: Self::I, u: Self::I, q: i32) -> Self::I;
+        fn i_to_f32(self, x: Self::I) -> Self::W;
+        /// # Safety
+        /// As [`Kernel::wgather`].
+        unsafe fn wgather(self, p: *const f32, stride: usize) -> Self::W;
     }
 
     impl Wide for Avx2 {
         wide_as_pairs!(__m256);
+
+        /// Lanes 0–7 and 8–15.
+        type I = [__m256i; 2];
+
+        #[inline(always)]
+        fn izero(self) -> [__m256i; 2] {
+            // SAFETY: see the module note; register-only.
+            unsafe { [_mm256_setzero_si256(); 2] }
+        }
+
+        #[inline(always)]
+        unsafe fn dwords16(self, p: *const u8, stride: usize) -> [[__m256i; 2]; 4] {
+            // SAFETY: see the module note; the caller guarantees the 16 bytes of each run.
+            // Per half of 8 runs: `[run i | run i + 4]` in two 128-bit blocks, then a 4 × 4
+            // transpose of the dwords inside each block.
+            unsafe {
+                let half = |h: usize| {
+                    let run = |t: usize| _mm_loadu_si128(p.add((8 * h + t) * stride).cast());
+                    let a: [__m256i; 4] = std::array::from_fn(|i| {
+                        _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(run(i)), run(i + 4))
+                    });
+                    transpose4(a)
+                };
+                let (lo, hi) = (half(0), half(1));
+                std::array::from_fn(|j| [lo[j], hi[j]])
+            }
+        }
+
+        #[inline(always)]
+        fn byte_field(self, x: [__m256i; 2], shift: u32, mask: u8) -> [__m256i; 2] {
+            // SAFETY: see the module note; register-only.
+            unsafe {
+                let (count, mask) = (
+                    _mm_cvtsi32_si128(shift as i32),
+                    _mm256_set1_epi8(mask as i8),
+                );
+                x.map(|x| _mm256_and_si256(_mm256_srl_epi32(x, count), mask))
+            }
+        }
+
+        #[inline(always)]
+        fn dot4(self, acc: [__m256i; 2], u: [__m256i; 2], q: i32) -> [__m256i; 2] {
+            // SAFETY: see the module note; register-only. Pairs of products fit in 16 bits
+            // (`2 · 127 · 127 < 2^15`), so `maddubs` never saturates.
+            unsafe {
+                let (q, ones) = (_mm256_set1_epi32(q), _mm256_set1_epi16(1));
+                std::array::from_fn(|h| {
+                    let pairs = _mm256_maddubs_epi16(u[h], q);
+                    _mm256_add_epi32(acc[h], _mm256_madd_epi16(pairs, ones))
+                })
+            }
+        }
+
+        #[inline(always)]
+        fn i_to_f32(self, x: [__m256i; 2]) -> [__m256; 2] {
+            // SAFETY: see the module note; register-only.
+            unsafe { x.map(|x| _mm256_cvtepi32_ps(x)) }
+        }
+
+        #[inline(always)]
+        unsafe fn wgather(self, p: *const f32, stride: usize) -> [__m256; 2] {
+            // SAFETY: see the module note; the caller guarantees every `p + t·stride`.
+            unsafe {
+                let at = _mm256_mullo_epi32(
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                    _mm256_set1_epi32(stride as i32),
+                );
+                [
+                    _mm256_i32gather_ps::<4>(p, at),
+                    _mm256_i32gather_ps::<4>(p.add(8 * stride), at),
+                ]
+            }
+        }
+    }
+
+    /// The 4 × 4 transposes of the dwords inside each 128-bit block of `a`: block `m` of
+    /// result `j` holds dword `j` of block `m` of `a[0]`, `a[1]`, `a[2]` and `a[3]`.
+    ///
+    /// # Safety
+    /// This CPU has AVX2.
+    #[inline(always)]
+    unsafe fn transpose4(a: [__m256i; 4]) -> [__m256i; 4] {
+        // SAFETY: the caller's contract; register-only.
+        unsafe {
+            let (t0, t1) = (
+                _mm256_unpacklo_epi32(a[0], a[1]),
+                _mm256_unpackhi_epi32(a[0], a[1]),
+            );
+            let (t2, t3) = (
+                _mm256_unpacklo_epi32(a[2], a[3]),
+                _mm256_unpackhi_epi32(a[2], a[3]),
+            );
+            [
+                _mm256_unpacklo_epi64(t0, t2),
+                _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3),
+                _mm256_unpackhi_epi64(t1, t3),
+            ]
+        }
     }
 
     impl Wide for Avx512 {
@@ -791,6 +939,81 @@ mod avx2 {
                     _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
                 );
                 _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift), table)
+            }
+        }
+
+        type I = __m512i;
+
+        #[inline(always)]
+        fn izero(self) -> __m512i {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm512_setzero_si512() }
+        }
+
+        #[inline(always)]
+        unsafe fn dwords16(self, p: *const u8, stride: usize) -> [__m512i; 4] {
+            // SAFETY: see the module note; the caller guarantees the 16 bytes of each run.
+            // `[run i | run i + 4 | run i + 8 | run i + 12]` in four 128-bit blocks, then a
+            // 4 × 4 transpose of the dwords inside each block: lane `4m + i` of result `j` is
+            // dword `j` of run `4m + i`.
+            unsafe {
+                let run = |t: usize| _mm_loadu_si128(p.add(t * stride).cast());
+                let a: [__m512i; 4] = std::array::from_fn(|i| {
+                    let lo =
+                        _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(run(i)), run(i + 4));
+                    let hi = _mm256_inserti128_si256::<1>(
+                        _mm256_castsi128_si256(run(i + 8)),
+                        run(i + 12),
+                    );
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                });
+                let (t0, t1) = (
+                    _mm512_unpacklo_epi32(a[0], a[1]),
+                    _mm512_unpackhi_epi32(a[0], a[1]),
+                );
+                let (t2, t3) = (
+                    _mm512_unpacklo_epi32(a[2], a[3]),
+                    _mm512_unpackhi_epi32(a[2], a[3]),
+                );
+                [
+                    _mm512_unpacklo_epi64(t0, t2),
+                    _mm512_unpackhi_epi64(t0, t2),
+                    _mm512_unpacklo_epi64(t1, t3),
+                    _mm512_unpackhi_epi64(t1, t3),
+                ]
+            }
+        }
+
+        #[inline(always)]
+        fn byte_field(self, x: __m512i, shift: u32, mask: u8) -> __m512i {
+            // SAFETY: see the module note; register-only.
+            unsafe {
+                let shifted = _mm512_srl_epi32(x, _mm_cvtsi32_si128(shift as i32));
+                _mm512_and_si512(shifted, _mm512_set1_epi8(mask as i8))
+            }
+        }
+
+        #[inline(always)]
+        fn dot4(self, acc: __m512i, u: __m512i, q: i32) -> __m512i {
+            // SAFETY: see the module note; register-only (`with_avx512` enables VNNI).
+            unsafe { _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(q)) }
+        }
+
+        #[inline(always)]
+        fn i_to_f32(self, x: __m512i) -> __m512 {
+            // SAFETY: see the module note; register-only.
+            unsafe { _mm512_cvtepi32_ps(x) }
+        }
+
+        #[inline(always)]
+        unsafe fn wgather(self, p: *const f32, stride: usize) -> __m512 {
+            // SAFETY: see the module note; the caller guarantees every `p + t·stride`.
+            unsafe {
+                let at = _mm512_mullo_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32(stride as i32),
+                );
+                _mm512_i32gather_ps::<4>(at, p)
             }
         }
     }
@@ -1125,34 +1348,12 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn nib32(self, p: *const u8) -> __m256i {
-            // SAFETY: see the module note; the caller guarantees 16 readable bytes. Each 8-byte
-            // half goes to two 64-bit lanes, the second shifted down by a nibble.
-            unsafe {
-                let halves = _mm256_castsi128_si256(_mm_loadu_si128(p.cast()));
-                let spread = _mm256_permute4x64_epi64::<0b01_01_00_00>(halves);
-                let shifted = _mm256_srlv_epi64(spread, _mm256_setr_epi64x(0, 4, 0, 4));
-                _mm256_and_si256(shifted, _mm256_set1_epi8(15))
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn crumb32(self, p: *const u8) -> __m256i {
-            // SAFETY: see the module note; the caller guarantees 8 readable bytes, broadcast
-            // to the four 64-bit lanes and shifted by 0, 2, 4 and 6 bits.
-            unsafe {
-                let spread = _mm256_broadcastq_epi64(_mm_loadl_epi64(p.cast()));
-                let shifted = _mm256_srlv_epi64(spread, _mm256_setr_epi64x(0, 2, 4, 6));
-                _mm256_and_si256(shifted, _mm256_set1_epi8(3))
-            }
-        }
-
-        #[inline(always)]
-        fn dot_u8_i8(self, u: __m256i, s: __m256i) -> __m256 {
+        fn dot_i8_i8(self, a: __m256i, s: __m256i) -> __m256 {
             // SAFETY: see the module note; register-only (`vpdpbusd` only where `AVX512`, whose
-            // `with_avx512` enables VNNI). Pairs of products fit in 16 bits
-            // (`2 · 128 · 127 < 2^15`), so `maddubs` never saturates.
+            // `with_avx512` enables VNNI). `|a|` against `s` with `a`'s signs; pairs of
+            // products fit in 16 bits (`2 · 127 · 127 < 2^15`), so `maddubs` never saturates.
             unsafe {
+                let (u, s) = (_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a));
                 let sums = if AVX512 {
                     _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
                 } else {
@@ -1163,10 +1364,38 @@ mod avx2 {
             }
         }
 
+        type I = <Self as Wide>::I;
+
         #[inline(always)]
-        fn dot_i8_i8(self, a: __m256i, s: __m256i) -> __m256 {
-            // SAFETY: see the module note; register-only.
-            unsafe { self.dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a)) }
+        fn izero(self) -> Self::I {
+            Wide::izero(self)
+        }
+
+        #[inline(always)]
+        unsafe fn dwords16(self, p: *const u8, stride: usize) -> [Self::I; 4] {
+            // SAFETY: the caller's contract is `Wide::dwords16`'s.
+            unsafe { Wide::dwords16(self, p, stride) }
+        }
+
+        #[inline(always)]
+        fn byte_field(self, x: Self::I, shift: u32, mask: u8) -> Self::I {
+            Wide::byte_field(self, x, shift, mask)
+        }
+
+        #[inline(always)]
+        fn dot4(self, acc: Self::I, u: Self::I, q: i32) -> Self::I {
+            Wide::dot4(self, acc, u, q)
+        }
+
+        #[inline(always)]
+        fn i_to_f32(self, x: Self::I) -> Self::W {
+            Wide::i_to_f32(self, x)
+        }
+
+        #[inline(always)]
+        unsafe fn wgather(self, p: *const f32, stride: usize) -> Self::W {
+            // SAFETY: the caller's contract is `Wide::wgather`'s.
+            unsafe { Wide::wgather(self, p, stride) }
         }
 
         #[inline(always)]
@@ -1650,34 +1879,25 @@ mod tests {
     }
 
     /// The integer dot products of `iq` on fixed codes and queries: 32 packed bytes read as
-    /// int8, 4-bit and 2-bit codes, against queries at both ends of `[-127, 127]`.
+    /// int8, against queries at both ends of `[-127, 127]`.
     struct IntegerDots {
         packed: [u8; 32],
         query: [i8; 32],
     }
     impl KernelFn<Vec<f32>> for IntegerDots {
         fn call<K: Kernel>(self, k: K) -> Vec<f32> {
-            let p = self.packed.as_ptr();
-            let mut out = Vec::new();
-            let mut buf = [0f32; 8];
+            let mut out = [0f32; 8];
             // SAFETY: `packed` and `query` hold 32 bytes each.
             unsafe {
                 let q = k.bytes32(self.query.as_ptr().cast());
-                for v in [
-                    k.dot_i8_i8(k.bytes32(p), q),
-                    k.dot_u8_i8(k.nib32(p), q),
-                    k.dot_u8_i8(k.crumb32(p), q),
-                ] {
-                    k.store(v, &mut buf);
-                    out.extend(buf);
-                }
+                k.store(k.dot_i8_i8(k.bytes32(self.packed.as_ptr()), q), &mut out);
             }
-            out
+            out.to_vec()
         }
     }
 
     #[test]
-    fn integer_dot_products_are_exact_in_the_loops_order() {
+    fn integer_dot_products_are_exact() {
         let mut rng = crate::synth::Rng::new(5);
         for case in 0..64 {
             let mut packed: [u8; 32] = std::array::from_fn(|_| rng.below(256) as u8);
@@ -1687,28 +1907,97 @@ mod tests {
                 _ => (rng.below(255) as i32 - 127) as i8,
             });
             if case < 2 {
-                // The largest magnitudes: int8 -128 and all-ones codes.
-                packed[..16].fill(0x80);
-                packed[16..].fill(0xff);
+                // The largest magnitude of an int8 code, -128, against the largest queries.
+                packed.fill(0x80);
             }
-            // Position `p` of a 32-code block holds channel `Order::channel(p)`.
-            let nibble = |c: usize| i32::from((packed[c / 2] >> (4 * (c % 2))) & 15);
-            let crumb = |c: usize| i32::from((packed[c / 4] >> (2 * (c % 4))) & 3);
-            let nib_channel = |p: usize| (p & !15) + 2 * (p & 7) + ((p >> 3) & 1);
-            let crumb_channel = |p: usize| 4 * (p & 7) + ((p >> 3) & 3);
-            let lanes = |code: &dyn Fn(usize) -> i32| -> Vec<f32> {
-                (0..8)
-                    .map(|j| {
-                        (4 * j..4 * j + 4)
-                            .map(|p| code(p) * i32::from(query[p]))
-                            .sum::<i32>() as f32
-                    })
-                    .collect()
-            };
-            let mut want = lanes(&|p| i32::from(packed[p] as i8));
-            want.extend(lanes(&|p| nibble(nib_channel(p))));
-            want.extend(lanes(&|p| crumb(crumb_channel(p))));
+            let want: Vec<f32> = (0..8)
+                .map(|j| {
+                    (4 * j..4 * j + 4)
+                        .map(|p| i32::from(packed[p] as i8) * i32::from(query[p]))
+                        .sum::<i32>() as f32
+                })
+                .collect();
             for (tier, got) in on_every_tier(|| IntegerDots { packed, query }) {
+                assert_eq!(got, want, "{tier:?}, case {case}");
+            }
+        }
+    }
+
+    /// The token-lane primitives: sixteen runs of 16 bytes at a stride, transposed, a code
+    /// field masked out and multiplied by four query bytes, accumulated twice, converted; and
+    /// a strided gather.
+    struct TokenLanes {
+        runs: Vec<u8>,
+        stride: usize,
+        shift: u32,
+        mask: u8,
+        query: [i32; 2],
+        floats: Vec<f32>,
+    }
+    impl KernelFn<Vec<f32>> for TokenLanes {
+        fn call<K: Kernel>(self, k: K) -> Vec<f32> {
+            assert!(self.runs.len() >= 15 * self.stride + 16 && self.floats.len() > 15 * 3);
+            let mut out = vec![0f32; 16 * 5];
+            // SAFETY: every run's 16 bytes and every third float lie within the vectors
+            // (checked above); `out` holds 5 × 16 floats.
+            unsafe {
+                let words = k.dwords16(self.runs.as_ptr(), self.stride);
+                for (j, &w) in words.iter().enumerate() {
+                    let field = k.byte_field(w, self.shift, self.mask);
+                    let acc = k.dot4(k.izero(), field, self.query[0]);
+                    let acc = k.dot4(acc, field, self.query[1]);
+                    k.wstore_ptr(k.i_to_f32(acc), out.as_mut_ptr().add(16 * j));
+                }
+                let gathered = k.wgather(self.floats.as_ptr(), 3);
+                k.wstore_ptr(gathered, out.as_mut_ptr().add(64));
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn token_lanes_transpose_mask_and_multiply_exactly() {
+        let mut rng = crate::synth::Rng::new(6);
+        for (case, (shift, mask)) in [(0, 15), (4, 15), (0, 3), (2, 3), (4, 3), (6, 3), (0, 127)]
+            .into_iter()
+            .enumerate()
+        {
+            let stride = 16 + 8 * case;
+            let mut runs: Vec<u8> = (0..16 * stride).map(|_| rng.below(256) as u8).collect();
+            if case == 0 {
+                // The largest products: all-ones codes.
+                runs.fill(0xff);
+            }
+            let query: [i32; 2] = std::array::from_fn(|i| match (case, i) {
+                (0, 0) => i32::from_le_bytes([127u8; 4]),
+                (0, _) => i32::from_le_bytes([(-127i8) as u8; 4]),
+                _ => {
+                    i32::from_le_bytes(std::array::from_fn(|_| (rng.below(255) as i32 - 127) as u8))
+                }
+            });
+            let floats: Vec<f32> = (0..48).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let mut want = Vec::new();
+            for j in 0..4 {
+                for t in 0..16 {
+                    let bytes = &runs[t * stride + 4 * j..t * stride + 4 * j + 4];
+                    let dot = |q: i32| -> i32 {
+                        let q = q.to_le_bytes();
+                        (0..4)
+                            .map(|i| i32::from((bytes[i] >> shift) & mask) * i32::from(q[i] as i8))
+                            .sum()
+                    };
+                    want.push((dot(query[0]) + dot(query[1])) as f32);
+                }
+            }
+            want.extend((0..16).map(|t| floats[3 * t]));
+            for (tier, got) in on_every_tier(|| TokenLanes {
+                runs: runs.clone(),
+                stride,
+                shift,
+                mask,
+                query,
+                floats: floats.clone(),
+            }) {
                 assert_eq!(got, want, "{tier:?}, case {case}");
             }
         }

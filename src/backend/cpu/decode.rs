@@ -147,7 +147,8 @@ impl Order {
         }
     }
 
-    /// The channel at position `p`.
+    /// The channel at position `p` ([`Order::position`] inverted; the loops only need that).
+    #[cfg(test)]
     pub(super) fn channel(self, p: usize) -> usize {
         match self {
             Order::Natural => p,

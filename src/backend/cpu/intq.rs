@@ -1,10 +1,15 @@
 //! `iq` key scores: the query rounded to int8 per 32-channel block once per work item
 //! (`quant::quantize_query`), and each key block scored as an integer dot product of its codes
 //! with the query block, weighted by the product of the two blocks' scales, as llama.cpp's CPU
-//! vec-dot kernels do. The key codes are never converted to f32: a 32-code block is unpacked
-//! once per token (4-bit: a load, a lane permute, a shift and a mask; 2-bit: a broadcast, a
-//! shift and a mask), then each query row takes an integer dot product, its conversion and one
-//! FMA with the block's weight.
+//! vec-dot kernels do. The key codes are never converted to f32.
+//!
+//! 8-bit keys (`q8`, `q8_0`) are read a token at a time: each query row takes an integer dot
+//! product of 32 codes, its conversion and one FMA with the block's weight. 4- and 2-bit keys
+//! (`q*_tok`) are read sixteen tokens at a time in the token-lane layout ([`Kernel::I`]): their
+//! packed rows transposed so that each 32-bit lane holds four bytes of one token, the code
+//! fields masked out of them once for all query rows, and one `dot4` per four channels and
+//! row multiplies sixteen tokens' codes by the same four query bytes, so that each score ends
+//! in its token's lane; the weights (the tokens' group scales) are one vector per block.
 //!
 //! What is computed is exactly `q̂ · k̂`, the dequantized key against the dequantized query
 //! `q̂ = s·c` (the minimum term of the asymmetric formats included), up to f32 summation order;
@@ -15,7 +20,7 @@ use crate::quant::QUERY_BLOCK;
 use crate::scheme::{Format, LowBits, Q8_0_BLOCK_BYTES};
 
 use super::super::simd::{Kernel, KernelFn};
-use super::decode::{Order, Packed};
+use super::decode::Packed;
 use super::loops::{Prefetch, for_token_pairs, tile_sums};
 use super::view::StreamBlock;
 
@@ -28,11 +33,14 @@ pub(crate) struct IntQuery {
     pub(crate) scales: Vec<f32>,
 }
 
-/// A work item's [`IntQuery`] in the order of the key format's codes, with the dequantized
-/// query's sum over each key group (the minimum term of `q*_tok` keys).
+/// A work item's [`IntQuery`] laid out for the key format's loop, with the dequantized query's
+/// sum over each key group (the minimum term of `q*_tok` keys).
 pub(super) struct KeyOrderQuery<'a> {
-    /// Codes as bytes, `rows × d`.
+    /// 8-bit keys: the codes as bytes, `rows × d`, in channel order.
     codes: Vec<u8>,
+    /// 4- and 2-bit keys: per row and 32-channel block, the four query bytes of each of the
+    /// block's 8 `dot4`s, `rows × d / 32 × 8` (see [`lane_channel`]).
+    dwords: Vec<i32>,
     /// The query's block scales, as rounded.
     scales: &'a [f32],
     /// `rows × groups`: `Σ_{c ∈ group} q̂_c` of the dequantized (scaled) query.
@@ -40,20 +48,37 @@ pub(super) struct KeyOrderQuery<'a> {
     groups: usize,
 }
 
+/// The channel of a 32-channel block of `BITS`-bit codes that byte `i` of the block's `dot4`
+/// number `m` multiplies, in the token-lane loop: dot `m` takes field `m / BITS` (bits
+/// `BITS · field ..`) of each byte of the block's dword `m % BITS`; byte `b` of a block holds
+/// channels `(8 / BITS) · b + field`.
+fn lane_channel(bits: usize, m: usize, i: usize) -> usize {
+    let (field, word) = (m / bits, m % bits);
+    (8 / bits) * (4 * word + i) + field
+}
+
 impl<'a> KeyOrderQuery<'a> {
     /// For keys of `format` (one that `Scheme::int_query_applies` accepts) at head_dim `d`.
     pub(super) fn new(q: &'a IntQuery, format: Format, d: usize) -> Self {
-        let order = Order::of(format);
-        let codes: Vec<u8> = q
-            .codes
-            .chunks_exact(d)
-            .flat_map(|row| (0..d).map(move |p| row[order.channel(p)] as u8))
-            .collect();
-        let group = match format {
-            Format::Tok { group, .. } => group.size(d),
-            _ => d,
+        let (blocks, rows) = (d / QUERY_BLOCK, q.codes.len() / d);
+        let (codes, dwords, group) = match format {
+            Format::Tok { bits, group } => {
+                let bits = bits.bits();
+                let dwords = (0..rows * blocks)
+                    .flat_map(|rb| {
+                        let block = &q.codes[rb * QUERY_BLOCK..(rb + 1) * QUERY_BLOCK];
+                        (0..8).map(move |m| {
+                            i32::from_le_bytes(std::array::from_fn(|i| {
+                                block[lane_channel(bits, m, i)] as u8
+                            }))
+                        })
+                    })
+                    .collect();
+                (Vec::new(), dwords, group.size(d))
+            }
+            _ => (q.codes.iter().map(|&c| c as u8).collect(), Vec::new(), d),
         };
-        let (blocks, groups) = (d / QUERY_BLOCK, d / group);
+        let groups = d / group;
         let group_sums = q
             .codes
             .chunks_exact(d)
@@ -71,6 +96,7 @@ impl<'a> KeyOrderQuery<'a> {
             .collect();
         KeyOrderQuery {
             codes,
+            dwords,
             scales: &q.scales,
             group_sums,
             groups,
@@ -78,14 +104,10 @@ impl<'a> KeyOrderQuery<'a> {
     }
 }
 
-/// Key rows as 32-code blocks with one weight per block.
+/// 8-bit key rows as 32-code blocks with one weight per block.
 trait IntKeys {
-    /// int8 codes (`q8`, `q8_0`), else unsigned codes.
-    const SIGNED: bool;
     /// One scale per token (`q8`): applied once to the finished score, not per block.
     const TOKEN_SCALE: bool;
-    /// Minimums (`q*_tok`): the score has a constant part, [`offset`](Self::offset).
-    const OFFSET: bool;
 
     /// The codes of positions `32b .. 32b + 32` of token `t`.
     ///
@@ -98,16 +120,6 @@ trait IntKeys {
     /// # Safety
     /// As [`codes`](Self::codes).
     unsafe fn scale(&self, t: usize, b: usize) -> f32;
-
-    /// The score's constant part, `Σ_g min[t][g] · group_sums[g]`, where [`OFFSET`](Self::OFFSET).
-    ///
-    /// # Safety
-    /// `t < n` and `group_sums` points to this format's groups.
-    #[inline(always)]
-    unsafe fn offset(&self, t: usize, group_sums: *const f32) -> f32 {
-        let _ = (t, group_sums);
-        0.0
-    }
 }
 
 /// `q8`: int8 codes, one scale per token.
@@ -117,9 +129,7 @@ struct Q8Keys<'a> {
 }
 
 impl IntKeys for Q8Keys<'_> {
-    const SIGNED: bool = true;
     const TOKEN_SCALE: bool = true;
-    const OFFSET: bool = false;
 
     #[inline(always)]
     unsafe fn codes<K: Kernel>(&self, k: K, t: usize, b: usize) -> K::B {
@@ -142,9 +152,7 @@ struct Q80Keys<'a> {
 }
 
 impl IntKeys for Q80Keys<'_> {
-    const SIGNED: bool = true;
     const TOKEN_SCALE: bool = false;
-    const OFFSET: bool = false;
 
     #[inline(always)]
     unsafe fn codes<K: Kernel>(&self, k: K, t: usize, b: usize) -> K::B {
@@ -156,54 +164,6 @@ impl IntKeys for Q80Keys<'_> {
     unsafe fn scale(&self, t: usize, b: usize) -> f32 {
         // SAFETY: `n × blocks` scales, checked where built.
         unsafe { *self.scales.get_unchecked(t * self.blocks + b) }
-    }
-}
-
-/// `q*_tok`: 4- or 2-bit codes, `(scale, min)` per token per group of channels.
-struct TokKeys<'a, const BITS: usize> {
-    packed: Packed<'a>,
-    params: &'a [f32],
-    groups: usize,
-    /// log2 of the query blocks per group.
-    blocks_shift: u32,
-}
-
-impl<const BITS: usize> IntKeys for TokKeys<'_, BITS> {
-    const SIGNED: bool = false;
-    const TOKEN_SCALE: bool = false;
-    const OFFSET: bool = true;
-
-    #[inline(always)]
-    unsafe fn codes<K: Kernel>(&self, k: K, t: usize, b: usize) -> K::B {
-        // SAFETY: a row holds `d · BITS / 8` bytes, of which block `b` is the
-        // `4 · BITS` at `4 · BITS · b`.
-        unsafe {
-            let p = self.packed.at(t, 4 * BITS * b);
-            if BITS == 4 { k.nib32(p) } else { k.crumb32(p) }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn scale(&self, t: usize, b: usize) -> f32 {
-        // SAFETY: `2 × groups` parameters per token, checked where built.
-        unsafe {
-            *self
-                .params
-                .get_unchecked(2 * (t * self.groups + (b >> self.blocks_shift)))
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn offset(&self, t: usize, group_sums: *const f32) -> f32 {
-        let mut sum = 0.0;
-        for gr in 0..self.groups {
-            // SAFETY: `2 × groups` parameters per token (checked where built); the caller's
-            // `groups` sums.
-            sum += unsafe {
-                *self.params.get_unchecked(2 * (t * self.groups + gr) + 1) * *group_sums.add(gr)
-            };
-        }
-        sum
     }
 }
 
@@ -223,7 +183,7 @@ pub(super) fn int_score_block<K: Kernel>(
 ) {
     let d = s.head_dim;
     assert!(s.book.is_none() && s.row_bytes == s.format.row_bytes(d));
-    assert!(d.is_multiple_of(QUERY_BLOCK) && q.codes.len().is_multiple_of(d));
+    assert!(d.is_multiple_of(QUERY_BLOCK) && q.scales.len().is_multiple_of(d / QUERY_BLOCK));
     s.params_f32(k, n, params);
     let packed = Packed::new(s.rows, s.row_bytes, n);
     let blocks = d / QUERY_BLOCK;
@@ -247,36 +207,28 @@ pub(super) fn int_score_block<K: Kernel>(
         }
         Format::Tok { bits, group } => {
             let group = group.size(d);
-            let groups = d / group;
-            assert!(group.is_power_of_two() && group >= QUERY_BLOCK && groups == q.groups);
-            assert!(params.len() >= 2 * groups * n);
-            let blocks_shift = (group / QUERY_BLOCK).trailing_zeros();
+            assert!(group.is_power_of_two() && group >= QUERY_BLOCK && d / group == q.groups);
+            // Whole runs of 16 tokens: the last run's padding tokens get zero parameters.
+            params.resize(2 * q.groups * n.next_multiple_of(LANES), 0.0);
+            let keys = TokLanes {
+                rows: &s.rows[..n * s.row_bytes],
+                row_bytes: s.row_bytes,
+                n,
+                params,
+                groups: q.groups,
+                blocks_shift: (group / QUERY_BLOCK).trailing_zeros(),
+            };
             match bits {
-                LowBits::Four => {
-                    let keys = TokKeys::<4> {
-                        packed,
-                        params,
-                        groups,
-                        blocks_shift,
-                    };
-                    run_loops(k, &keys, n, d, q, scores, g, prefetch);
-                }
-                LowBits::Two => {
-                    let keys = TokKeys::<2> {
-                        packed,
-                        params,
-                        groups,
-                        blocks_shift,
-                    };
-                    run_loops(k, &keys, n, d, q, scores, g, prefetch);
-                }
+                LowBits::Four => run_lanes::<K, 4>(k, &keys, d, q, scores, g, prefetch),
+                LowBits::Two => run_lanes::<K, 2>(k, &keys, d, q, scores, g, prefetch),
             }
         }
         f => unreachable!("iq schemes are validated to have integer keys, not {f}"),
     }
 }
 
-/// The loops of [`int_score_block`] as a function of their own per key format and head_dim.
+/// The loops of [`int_score_block`] for 8-bit keys, a function of their own per key format
+/// and head_dim.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn run_loops<K: Kernel, R: IntKeys>(
@@ -342,7 +294,6 @@ fn int_score_rows<K: Kernel, R: IntKeys, const QR: usize>(
 ) {
     let blocks = d / QUERY_BLOCK;
     assert!(q.codes.len() >= (r0 + QR) * d && q.scales.len() >= (r0 + QR) * blocks);
-    assert!(q.group_sums.len() >= (r0 + QR) * q.groups);
     assert!(n <= g && scores.len() >= (r0 + QR) * g);
     for_token_pairs!(k, n, prefetch, |t, TT| int_score_tokens::<K, R, QR, TT>(
         k, keys, d, q, r0, t, scores, g
@@ -380,13 +331,8 @@ fn int_score_tokens<K: Kernel, R: IntKeys, const QR: usize, const TT: usize>(
                 let qv = k.bytes32(q.codes.as_ptr().add(row * d + QUERY_BLOCK * b));
                 let qs = *q.scales.get_unchecked(row * blocks + b);
                 for (acc, (&codes, &weight)) in acc.iter_mut().zip(codes.iter().zip(&weight)) {
-                    let dot = if R::SIGNED {
-                        k.dot_i8_i8(codes, qv)
-                    } else {
-                        k.dot_u8_i8(codes, qv)
-                    };
                     let w = if R::TOKEN_SCALE { qs } else { qs * weight };
-                    acc[j] = k.fmadd(dot, k.splat(w), acc[j]);
+                    acc[j] = k.fmadd(k.dot_i8_i8(codes, qv), k.splat(w), acc[j]);
                 }
             }
         }
@@ -395,8 +341,8 @@ fn int_score_tokens<K: Kernel, R: IntKeys, const QR: usize, const TT: usize>(
     let sp = scores.as_mut_ptr();
     for i in 0..TT {
         let t = t0 + i;
-        // SAFETY: `t < n`; `int_score_rows` checked that `group_sums` holds the rows' groups
-        // and `scores` the rows' `g` scores, with `t < n <= g`.
+        // SAFETY: `t < n`; `int_score_rows` checked that `scores` holds the rows' `g` scores,
+        // with `t < n <= g`.
         unsafe {
             let token_scale = if R::TOKEN_SCALE {
                 keys.scale(t, 0)
@@ -404,13 +350,174 @@ fn int_score_tokens<K: Kernel, R: IntKeys, const QR: usize, const TT: usize>(
                 1.0
             };
             for j in 0..QR {
-                let row = r0 + j;
-                let mut score = sums[i * QR + j] * token_scale;
-                if R::OFFSET {
-                    score += keys.offset(t, q.group_sums.as_ptr().add(row * q.groups));
-                }
-                *sp.add(row * g + t) = score;
+                *sp.add((r0 + j) * g + t) = sums[i * QR + j] * token_scale;
             }
+        }
+    }
+}
+
+/// Tokens per run of the token-lane loop: the lanes of [`Kernel::I`] and [`Kernel::W`].
+const LANES: usize = 16;
+
+/// The widest packed row of a `q*_tok` key: 4-bit codes at head_dim 256.
+const MAX_TOK_ROW: usize = 128;
+
+/// `q*_tok` keys for the token-lane loop.
+struct TokLanes<'a> {
+    /// `n` packed rows of `row_bytes`.
+    rows: &'a [u8],
+    row_bytes: usize,
+    n: usize,
+    /// `(scale, min)` per token and group, for `n` rounded up to a multiple of [`LANES`].
+    params: &'a [f32],
+    groups: usize,
+    /// log2 of the query blocks per group.
+    blocks_shift: u32,
+}
+
+/// The token-lane loop of [`int_score_block`] for `BITS`-bit keys, a function of its own per
+/// width and head_dim.
+#[inline(always)]
+fn run_lanes<K: Kernel, const BITS: usize>(
+    k: K,
+    keys: &TokLanes<'_>,
+    d: usize,
+    q: &KeyOrderQuery<'_>,
+    scores: &mut [f32],
+    g: usize,
+    prefetch: &mut Prefetch<'_>,
+) {
+    struct Loop<'s, 'p, const BITS: usize, const D: usize> {
+        keys: &'s TokLanes<'s>,
+        q: &'s KeyOrderQuery<'s>,
+        scores: &'s mut [f32],
+        g: usize,
+        prefetch: &'s mut Prefetch<'p>,
+    }
+    impl<const BITS: usize, const D: usize> KernelFn<()> for Loop<'_, '_, BITS, D> {
+        #[inline(always)]
+        fn call<K: Kernel>(self, k: K) {
+            let (keys, q) = (self.keys, self.q);
+            let rows = q.scales.len() / (D / QUERY_BLOCK);
+            assert!(D * BITS / 8 == keys.row_bytes && D * BITS / 8 <= MAX_TOK_ROW);
+            assert!(keys.rows.len() == keys.n * keys.row_bytes);
+            assert!(keys.params.len() >= 2 * keys.groups * keys.n.next_multiple_of(LANES));
+            assert!(q.dwords.len() == rows * D / QUERY_BLOCK * 8);
+            assert!(q.group_sums.len() == rows * keys.groups);
+            assert!(keys.n <= self.g && self.scores.len() >= rows * self.g);
+            let mut padded = [0u8; LANES * MAX_TOK_ROW];
+            for t0 in (0..keys.n).step_by(LANES) {
+                // Prefetch at the f32 loop's pace, one step per two tokens.
+                for _ in 0..LANES / 2 {
+                    self.prefetch.step(k);
+                }
+                let left = keys.n - t0;
+                let runs = if left >= LANES {
+                    &keys.rows[t0 * keys.row_bytes..(t0 + LANES) * keys.row_bytes]
+                } else {
+                    // The last, partial run: its rows, then zero codes.
+                    let (rows, rest) = padded.split_at_mut(left * keys.row_bytes);
+                    rows.copy_from_slice(&keys.rows[t0 * keys.row_bytes..]);
+                    rest.fill(0);
+                    &padded[..LANES * keys.row_bytes]
+                };
+                super::loops::for_row_groups!(rows, |r0, QR| lane_scores::<K, BITS, D, QR>(
+                    k,
+                    keys,
+                    runs,
+                    t0,
+                    q,
+                    r0,
+                    self.scores,
+                    self.g
+                ));
+            }
+        }
+    }
+    super::loops::with_head_dim!(d, |D| k.run(Loop::<BITS, D> {
+        keys,
+        q,
+        scores,
+        g,
+        prefetch
+    }));
+}
+
+/// `scores[r][t0 + t] = q̂[r] · key[t0 + t]` for `QR` query rows from `r0` and the 16 tokens
+/// whose packed rows are `runs` (past `n`, zero codes, whose scores are not stored).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn lane_scores<K: Kernel, const BITS: usize, const D: usize, const QR: usize>(
+    k: K,
+    keys: &TokLanes<'_>,
+    runs: &[u8],
+    t0: usize,
+    q: &KeyOrderQuery<'_>,
+    r0: usize,
+    scores: &mut [f32],
+    g: usize,
+) {
+    let blocks = D / QUERY_BLOCK;
+    let (mask, per_run) = ((1u8 << BITS) - 1, 4 / BITS);
+    let stride = 2 * keys.groups;
+    assert!(runs.len() == LANES * keys.row_bytes && keys.row_bytes == D * BITS / 8);
+    assert!(q.dwords.len() >= (r0 + QR) * blocks * 8 && q.scales.len() >= (r0 + QR) * blocks);
+    assert!(q.group_sums.len() >= (r0 + QR) * keys.groups);
+    assert!(keys.params.len() >= stride * (t0 + LANES));
+    let mut score = [k.wsplat(0.0); QR];
+    // Each 16-byte run of the rows holds `per_run` blocks of 32 channels.
+    for run in 0..D * BITS / 128 {
+        // SAFETY: each of the 16 rows of `runs` holds `row_bytes = D·BITS/8` bytes, of which
+        // this run is the 16 at `16·run` (checked above).
+        let words = unsafe { k.dwords16(runs.as_ptr().add(16 * run), keys.row_bytes) };
+        for u in 0..per_run {
+            let b = run * per_run + u;
+            let fields: [K::I; 8] = std::array::from_fn(|m| {
+                let (field, word) = (m / BITS, m % BITS);
+                k.byte_field(words[BITS * u + word], (BITS * field) as u32, mask)
+            });
+            let group = b >> keys.blocks_shift;
+            // SAFETY: tokens `t0 .. t0 + 16` have `stride` parameters each (checked above).
+            let key_scale =
+                unsafe { k.wgather(keys.params.as_ptr().add(stride * t0 + 2 * group), stride) };
+            for (j, score) in score.iter_mut().enumerate() {
+                let row = (r0 + j) * blocks + b;
+                let mut acc = k.izero();
+                for (m, &field) in fields.iter().enumerate() {
+                    // SAFETY: `row · 8 + m < (r0 + QR) · blocks · 8` (checked above).
+                    acc = k.dot4(acc, field, unsafe { *q.dwords.get_unchecked(8 * row + m) });
+                }
+                // SAFETY: `row < (r0 + QR) · blocks` (checked above).
+                let weight = k.wmul(key_scale, k.wsplat(unsafe { *q.scales.get_unchecked(row) }));
+                *score = k.wfmadd(k.i_to_f32(acc), weight, *score);
+            }
+        }
+    }
+    for group in 0..keys.groups {
+        // SAFETY: as for the scales above.
+        let min = unsafe {
+            k.wgather(
+                keys.params.as_ptr().add(stride * t0 + 2 * group + 1),
+                stride,
+            )
+        };
+        for (j, score) in score.iter_mut().enumerate() {
+            // SAFETY: `(r0 + j) · groups + group` is below the checked length.
+            let sum = unsafe { *q.group_sums.get_unchecked((r0 + j) * keys.groups + group) };
+            *score = k.wfmadd(min, k.wsplat(sum), *score);
+        }
+    }
+    let valid = (keys.n - t0).min(LANES);
+    let mut lanes = [0f32; LANES];
+    for (j, &score) in score.iter().enumerate() {
+        let at = (r0 + j) * g + t0;
+        if valid == LANES && at + LANES <= scores.len() {
+            // SAFETY: 16 floats from `at` lie within `scores`.
+            unsafe { k.wstore_ptr(score, scores.as_mut_ptr().add(at)) };
+        } else {
+            // SAFETY: `lanes` holds 16 floats.
+            unsafe { k.wstore_ptr(score, lanes.as_mut_ptr()) };
+            scores[at..at + valid].copy_from_slice(&lanes[..valid]);
         }
     }
 }
