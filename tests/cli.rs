@@ -708,8 +708,8 @@ fn calibrate_writes_a_file_that_eval_uses() {
     std::fs::remove_file(&file).unwrap();
 }
 
-/// `hipkv eval --iq` runs each scheme whose keys integer-query scores apply to beside its `iq`
-/// twin and prints the KL that adds; the others (per-channel keys) get no twin. Needs the eval
+/// `hipkv eval --iq` runs each scheme whose keys integer-query scores apply to both ways, exact
+/// then `iq`, and prints the KL that adds; the others (per-channel keys) get no twin. Needs the eval
 /// model, as [`eval_model`].
 #[test]
 fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
@@ -735,7 +735,8 @@ fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
         .iter()
         .map(|s| s["scheme"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["q4_tok", "q4_tok,iq", "kivi2"]);
+    // `q4_tok` scores keys from the int8 query by default: its exact twin runs first.
+    assert_eq!(names, ["q4_tok,iq=0", "q4_tok", "kivi2"]);
     let kl = |i: usize| report["schemes"][i]["mean_kl"].as_f64().unwrap();
     assert!(
         kl(1) > 0.0 && kl(1) != kl(0),

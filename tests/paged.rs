@@ -58,6 +58,8 @@ fn mixed_batches_of_decodes_and_prefill_chunks_match_the_reference() {
             DType::F32,
         ),
         ("k=q2_tok,v=q8,sinks=2,rot=k", 2, 256, DType::BF16),
+        // The preset scores keys from the int8 query (`iq`); the reference rounds it too.
+        ("q2_tok", 8, 128, DType::F16),
     ];
     for backend in backends() {
         for (scheme, gqa, d, dtype) in cases {

@@ -357,7 +357,7 @@ mod tests {
 
     #[test]
     fn the_workspace_holds_every_part_aligned() {
-        let l = Layout::new(spec("q4_tok")).unwrap();
+        let l = Layout::new(spec("q4_tok,iq=0")).unwrap();
         let w = l.workspace(BatchLimits { max_tokens: 100 });
         assert!(w.q < w.q_sums && w.q_sums < w.acc && w.acc < w.max && w.max < w.sum);
         assert!(
@@ -374,8 +374,8 @@ mod tests {
     #[test]
     fn an_integer_query_workspace_also_holds_the_codes_and_scales() {
         let limits = BatchLimits { max_tokens: 100 };
-        let plain = Layout::new(spec("q4_tok")).unwrap().workspace(limits);
-        let w = Layout::new(spec("q4_tok,iq")).unwrap().workspace(limits);
+        let plain = Layout::new(spec("q4_tok,iq=0")).unwrap().workspace(limits);
+        let w = Layout::new(spec("q4_tok")).unwrap().workspace(limits);
         let (codes, scales) = w.int_query.unwrap();
         assert!(plain.end <= codes && codes < scales && scales < w.end);
         assert!(codes % ALIGN == 0 && scales % ALIGN == 0);

@@ -106,7 +106,22 @@ pub fn queries<'a>(qs: &'a [Vec<f32>], outs: &'a mut [Vec<f32>]) -> Vec<Query<'a
         .collect()
 }
 
+/// The attention the cache's scheme defines, in f64 over the cache's own rows: the query
+/// rotated by RoPE if the cache applies it, then rounded as `iq` rounds it if the scheme scores
+/// keys from the int8 query.
 pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f32> {
+    let int_query = cache.config().scheme.int_query;
+    naive_attend_with(cache, seq, q, scale, int_query)
+}
+
+/// [`naive_attend`] with the query rounded (`int_query`) or exact, whatever the scheme says.
+pub fn naive_attend_with(
+    cache: &KvCache,
+    seq: usize,
+    q: &[f32],
+    scale: f32,
+    int_query: bool,
+) -> Vec<f32> {
     let c = *cache.config();
     let d = c.head_dim;
     let (k, v) = cache.read_back(0, seq).unwrap();
@@ -120,6 +135,9 @@ pub fn naive_attend(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f
                 table.rotate(head, len - q_len + t);
             }
         }
+    }
+    if int_query {
+        q = rounded_query(&q, &c.scheme, d);
     }
     let window = cache.sliding_window(0).unwrap();
     naive_chunk(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale, window)
@@ -330,10 +348,9 @@ pub fn check_integer_query(backend: Backend) {
             let mut out = vec![0f32; q.len()];
             cache.attend(0, 0, &q, scale, &mut out).unwrap();
             let what = format!("{backend:?} {scheme} d={d} gqa={gqa} len={len} q_len={q_len}");
-            let rounded = rounded_query(&q, &cfg.scheme, d);
-            let want = naive_attend(&cache, 0, &rounded, scale);
+            let want = naive_attend_with(&cache, 0, &q, scale, true);
             assert_outputs_close(&cfg.scheme, &out, &want, d, TOLERANCE, &what);
-            let exact = naive_attend(&cache, 0, &q, scale);
+            let exact = naive_attend_with(&cache, 0, &q, scale, false);
             assert!(
                 rel_err(&out, &exact) > 10.0 * TOLERANCE,
                 "{what}: no rounding seen"

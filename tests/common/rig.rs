@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use hipkv::Backend;
 use hipkv::synth::Rng;
 
-use super::{assert_outputs_close, naive_chunk};
+use super::{assert_outputs_close, naive_chunk, rounded_query};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, PagedCache, QueryBatch, Workspace,
@@ -408,17 +408,11 @@ pub fn step_windowed(
             .read_back(0, &rig.caches[0], blocks, *slot as usize, *len)
             .unwrap();
         let at = starts[i] as usize * row;
-        let want = naive_chunk(
-            &rk,
-            &rv,
-            &q[at..at + n * row],
-            *len,
-            h,
-            spec.q_heads,
-            d,
-            scale,
-            window,
-        );
+        let mut q = q[at..at + n * row].to_vec();
+        if spec.scheme.int_query {
+            q = rounded_query(&q, &spec.scheme, d);
+        }
+        let want = naive_chunk(&rk, &rv, &q, *len, h, spec.q_heads, d, scale, window);
         assert_outputs_close(
             &spec.scheme,
             &out[at..at + n * row],

@@ -137,8 +137,8 @@ struct EvalArgs {
     /// each layer causes, beside the scheme's in every layer (needs --schemes; a run per layer).
     #[arg(long, requires = "schemes", conflicts_with_all = ["frontier", "iq", "plots", "save", "calibration"])]
     per_layer: bool,
-    /// Also run every scheme whose keys `iq` can score with integer-query dot products, right
-    /// after it, and print how much KL that adds to the scheme's own.
+    /// Run every scheme whose keys `iq` can score with integer-query dot products both ways,
+    /// exact (`iq=0`) then `iq`, and print how much KL `iq` adds to the exact scheme's.
     #[arg(long)]
     iq: bool,
 }
@@ -435,7 +435,8 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          nuq (nuq=k, nuq=v): 4- and 2-bit codes decode through per-layer codebooks calibrated on\n\
          the model (128 bytes per layer).\n\
          iq: q8, q8_0 and q*_tok keys scored against the query rounded to int8 per 32 channels,\n\
-         in integer dot products (v_dot4 on gfx1201); no bytes.\n\
+         in integer dot products (v_dot4 on gfx1201); no bytes. On in q4_tok and q2_tok (iq=0:\n\
+         exact f32 scores).\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
          tokens in the sub-8-bit presets), the residual page of q*_chan keys (one page) and the\n\
          value window (rv=; kivi*, kv*: the last 128 tokens' values, in 128 rows + one page).\n\
@@ -1718,17 +1719,21 @@ fn eval(args: &EvalArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Each scheme followed by its `iq` twin where integer-query scores apply and it has none.
+/// Each scheme where integer-query scores apply as its pair, exact (`iq=0`) then `iq`; the
+/// others as given.
 fn with_int_query_twins(schemes: &[Scheme]) -> Vec<Scheme> {
-    let mut out = Vec::with_capacity(2 * schemes.len());
+    let mut out: Vec<Scheme> = Vec::with_capacity(2 * schemes.len());
     for s in schemes {
-        out.push(*s);
-        let twin = Scheme {
-            int_query: true,
-            ..*s
+        let pair: &[bool] = if s.int_query_applies() {
+            &[false, true]
+        } else {
+            &[s.int_query]
         };
-        if !s.int_query && s.int_query_applies() && !schemes.contains(&twin) {
-            out.push(twin);
+        for &int_query in pair {
+            let twin = Scheme { int_query, ..*s };
+            if !out.contains(&twin) {
+                out.push(twin);
+            }
         }
     }
     out
