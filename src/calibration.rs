@@ -1,7 +1,7 @@
 //! Calibration files: what a cache learned from sample activations (outlier thresholds and
 //! codebooks, per layer), written by `hipkv calibrate` and loaded into a cache of the same
-//! scheme and shape, so that a model is calibrated once, on text of one's choosing, and every
-//! cache of it reuses that.
+//! scheme (up to `iq`, which changes nothing stored) and shape, so that a model is calibrated
+//! once, on text of one's choosing, and every cache of it reuses that.
 //!
 //! The format is text, one item per line, floats in Rust's shortest round-trip notation (so a
 //! file reads back bit for bit):
@@ -85,10 +85,10 @@ impl Calibration {
         out
     }
 
-    /// Checks that this calibration is for `scheme` and the shape of a cache (`layers` ×
-    /// `kv_heads` × `head_dim`), that every layer has exactly the items the scheme needs
-    /// (codebooks of its streams' code widths), and that its thresholds are valid: what a cache
-    /// checks before setting any of it.
+    /// Checks that this calibration is for `scheme` ([`Scheme::stores_like`]: `iq` or not) and
+    /// the shape of a cache (`layers` × `kv_heads` × `head_dim`), that every layer has exactly
+    /// the items the scheme needs (codebooks of its streams' code widths), and that its
+    /// thresholds are valid: what a cache checks before setting any of it.
     pub fn check_fits(
         &self,
         scheme: Scheme,
@@ -99,7 +99,7 @@ impl Calibration {
         let mismatch = |what, file: String, cache: String| {
             Err(Error::CalibrationMismatch { what, file, cache })
         };
-        if self.scheme != scheme {
+        if !self.scheme.stores_like(&scheme) {
             return mismatch("scheme", self.scheme.to_string(), scheme.to_string());
         }
         let shape = |layers, heads, d| format!("{layers} layers × {heads} KV heads × head_dim {d}");
@@ -282,6 +282,23 @@ mod tests {
         let text = c.to_text();
         assert!(text.starts_with("hipkv-calibration 1\nscheme k=q8,v=q2_tok,outliers=kv,nuq=v\n"));
         assert_eq!(Calibration::parse(&text).unwrap(), c);
+    }
+
+    #[test]
+    fn a_calibration_fits_its_scheme_with_or_without_iq() {
+        let c = sample();
+        let with_iq = Scheme {
+            int_query: true,
+            ..c.scheme
+        };
+        for scheme in [c.scheme, with_iq] {
+            assert!(c.check_fits(scheme, 3, 2, 64).is_ok(), "{scheme}");
+        }
+        let keys_only: Scheme = "k=q8,v=q2_tok,outliers,nuq=v".parse().unwrap();
+        assert!(matches!(
+            c.check_fits(keys_only, 3, 2, 64),
+            Err(Error::CalibrationMismatch { what: "scheme", .. })
+        ));
     }
 
     #[test]

@@ -587,6 +587,16 @@ impl Scheme {
         Ok(())
     }
 
+    /// Whether the two schemes store, and are calibrated, alike: they differ at most in how
+    /// attention rounds the query (`iq`), which changes no byte of the cache.
+    pub fn stores_like(&self, other: &Scheme) -> bool {
+        let stored = |s: &Scheme| Scheme {
+            int_query: false,
+            ..*s
+        };
+        stored(self) == stored(other)
+    }
+
     /// Whether `iq` can score this scheme's keys: uniform per-token integer codes, scored as
     /// stored (no codebook, no RoPE applied after decoding).
     pub fn int_query_applies(&self) -> bool {

@@ -570,7 +570,7 @@ pub fn evaluate(
         .iter()
         .map(|s| {
             let mut run = CacheAttention::new(&cfg, *s, n)?;
-            if let Some(c) = calibrations.iter().find(|c| c.scheme == *s) {
+            if let Some(c) = calibrations.iter().find(|c| c.scheme.stores_like(s)) {
                 run.apply_calibration(c)?;
             }
             Ok(run)
