@@ -709,8 +709,8 @@ fn calibrate_writes_a_file_that_eval_uses() {
 }
 
 /// `hipkv eval --iq` runs each scheme whose keys integer-query scores apply to both ways, exact
-/// then `iq`, and prints the KL that adds; the others (per-channel keys) get no twin. Needs the eval
-/// model, as [`eval_model`].
+/// then `iq`, and prints the KL that adds; the others (per-channel keys) get no twin. Needs the
+/// eval model, as [`eval_model`].
 #[test]
 fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
     let Some(model) = eval_model() else { return };
