@@ -107,6 +107,24 @@ fn options_sinks_groups_outliers_and_rope() {
 fn long_context_uses_many_splits() {
     check(config("kivi4", 2, 4, 64, 4096), 4000, 512, 1, 9);
     check(config("q8", 1, 1, 128, 2100), 2083, 1000, 2, 10);
+    // Pre-RoPE keys far from position 0: each block's query rows are turned back by a far row
+    // of the RoPE table, and its keys turned by the table's first rows.
+    for layout in [RopeLayout::Interleaved, RopeLayout::Halves] {
+        check(
+            with_rope(config("kv4", 1, 4, 128, 4096), layout),
+            4000,
+            512,
+            1,
+            14,
+        );
+        check(
+            with_rope(config("kv2", 2, 4, 64, 4096), layout),
+            4000,
+            512,
+            2,
+            15,
+        );
+    }
 }
 
 /// A step small enough to run on the caller's thread and one large enough to go to the pool,

@@ -693,16 +693,16 @@ impl<const BITS: usize> Rows for ChanRows<'_, BITS> {
     }
 }
 
-/// Pre-RoPE key rows rotated to their positions as they are decoded, in the codes' order
-/// ([`Order::Nibbles`] or [`Order::Crumbs`]; the loops use it for crumbs) with interleaved
-/// RoPE pairs `(2i, 2i + 1)`: there every 8 positions of a chunk that hold channels `2i` are
-/// followed by the 8 that hold their partners `2i + 1`, so a pair's two elements sit in the
-/// same lane of two neighbouring vectors. `cs` holds the block's `[cos, sin]` rows put into
-/// the same order (a row of pairs permuted as a row of channels puts each pair's cosine where
-/// its first element goes).
+/// Pre-RoPE key rows rotated as they are decoded, each by the RoPE row of its index `t` in
+/// the block (the query is turned back to the block's first position), in the codes' order
+/// ([`Order::Nibbles`] or [`Order::Crumbs`]) with interleaved RoPE pairs `(2i, 2i + 1)`: there
+/// every 8 positions of a chunk that hold channels `2i` are followed by the 8 that hold their
+/// partners `2i + 1`, so a pair's two elements sit in the same lane of two neighbouring
+/// vectors. `cs` holds the `[cos, sin]` rows put into the same order (a row of pairs permuted
+/// as a row of channels puts each pair's cosine where its first element goes).
 pub(super) struct RotatedRows<'a, R> {
     pub(super) rows: &'a R,
-    /// `n × d`: the RoPE rows of the block's positions, in the codes' order.
+    /// At least `n × d`: the RoPE table's first rows, in the codes' order.
     pub(super) cs: &'a [f32],
     pub(super) d: usize,
 }

@@ -92,50 +92,76 @@ pub(super) fn run_item<K: Kernel>(
     let mut params = Vec::new();
     let (mut dense, mut permuted) = (Vec::new(), Vec::new());
     let (mut folded, mut bias) = (Vec::new(), Vec::new());
+    // Keys stored before RoPE: `R(p0 + t) = R(p0)·R(t)`, so `q·R(p0 + t)k = (R(−p0)q)·R(t)k`.
+    // The query rows are turned back to each block's first position `p0` once per block, and
+    // each key turns by its row `t` in the block alone: one of the table's first `g` rows,
+    // which stay in cache, where the block's own positions' rows streamed `4·d` table bytes
+    // per token beside the KV bytes (as the HIP kernels do: `turn_query_back`).
+    let rope = view.rope.filter(|_| view.layout.scheme().pre_rope);
+    // 4- and 2-bit keys with interleaved pairs are rotated as they are decoded
+    // (`RotatedRows`), by the table's first `g` rows put into the codes' order once per item.
+    let rotate_decoded =
+        rope.is_some_and(|r| r.layout() == RopeLayout::Interleaved && k_order != Order::Natural);
+    let mut offset_cs = Vec::new();
+    if let Some(rope) = rope.filter(|_| rotate_decoded) {
+        k_order.permute(k, rope.rows(0, g), d, &mut offset_cs);
+    }
+    let (mut turned, mut turned_ordered, mut back) = (Vec::new(), Vec::new(), Vec::new());
     for (i, block) in blocks.iter().enumerate() {
         let n = block.tokens;
         let next = blocks.get(i + 1);
         let mut prefetch_k = Prefetch::new(k, next.map(|b| &b.k), n.div_ceil(2));
         let mut prefetch_v = Prefetch::new(k, next.map(|b| &b.v), d / 16);
         let order = Order::of(block.k.format);
-        let rope = view.rope.filter(|_| view.layout.scheme().pre_rope);
-        if let Some(rope) = rope.filter(|r| {
-            r.layout() == RopeLayout::Interleaved
-                && order == Order::Crumbs
-                && block.k.outliers.is_none()
-        }) {
-            // 2-bit keys stored before RoPE, with interleaved pairs: rotated as they are
-            // decoded (`RotatedRows`), against the block's RoPE rows put into the codes' order.
-            // (For 4-bit keys that per-block reordering of the RoPE rows cost more than the
-            // decode-rotate-score path below, whose 4-bit decode is cheaper than the 2-bit one:
-            // docs/performance.md, "Pre-RoPE 2-bit keys rotated as they are decoded".)
-            order.permute(k, rope.rows(block.first_pos, n), d, &mut dense);
+        if let Some(rope) = rope {
+            turn_back(
+                k,
+                rope,
+                &hq.rows,
+                d,
+                block.first_pos,
+                &mut back,
+                &mut turned,
+            );
+        }
+        if rope.is_some() && rotate_decoded && order == k_order && block.k.outliers.is_none() {
+            // Pre-RoPE 4- and 2-bit keys with interleaved pairs, rotated as they are decoded
+            // against the turned-back query in the codes' order.
+            order.permute(k, &turned, d, &mut turned_ordered);
+            assert!(offset_cs.len() >= n * d);
             with_rows!(k, block.k, n, params, |rows| {
                 let rows = RotatedRows {
                     rows: &rows,
-                    cs: &dense,
+                    cs: &offset_cs,
                     d,
                 };
-                score_block(k, &rows, n, d, &queries, &mut scores, g, &mut prefetch_k);
+                score_block(
+                    k,
+                    &rows,
+                    n,
+                    d,
+                    &turned_ordered,
+                    &mut scores,
+                    g,
+                    &mut prefetch_k,
+                );
             });
-        } else if view.layout.scheme().pre_rope {
-            // Keys stored before RoPE otherwise: dequantize the block's keys and rotate each
-            // to its position (KVQuant), then score the rotated rows.
+        } else if let Some(rope) = rope {
+            // Keys stored before RoPE otherwise (f16 sinks and open pages, halves-layout pairs,
+            // pages with outliers): dequantize the block's keys, put the outliers in, rotate each
+            // key by its row in the block (KVQuant), and score against the turned-back query.
             dense.resize(n * d, 0.0);
             with_rows!(k, block.k, n, params, |rows| decode_block(
                 k, &rows, order, n, d, &mut dense
             ));
-            let rope = view
-                .rope
-                .expect("pre_rope schemes are validated to have RoPE");
             for (t, key) in dense.chunks_exact_mut(d).enumerate() {
                 for (c, x) in block.k.outliers(t) {
                     key[c] = x;
                 }
             }
-            rotate_rows(k, rope, &mut dense, d, block.first_pos);
+            rotate_rows(k, rope, &mut dense, d, 0);
             let rows = F32Rows::new(&dense, n, d);
-            score_block(k, &rows, n, d, &hq.rows, &mut scores, g, &mut prefetch_k);
+            score_block(k, &rows, n, d, &turned, &mut scores, g, &mut prefetch_k);
         } else if let Format::Chan { bits } = block.k.format {
             // Per-channel parameters are the page's: fold the scales into the queries and the
             // minimums into one bias per row, and score the bare codes.
@@ -248,33 +274,61 @@ pub(super) fn rotate_rows<K: Kernel>(
     d: usize,
     first: usize,
 ) {
-    assert!(d.is_multiple_of(16));
-    let half = d / 2;
     for (t, row) in rows.chunks_exact_mut(d).enumerate() {
-        let cs = rope.row(first + t);
-        assert_eq!(cs.len(), d);
-        let (x, cs) = (row.as_mut_ptr(), cs.as_ptr());
-        // SAFETY: `row` and `cs` hold `d` floats each, and every access below reads or writes
-        // 8 of them at an offset `c + 8 <= d` (or `half + c + 8 <= d`, `2c + 16 <= d`).
-        unsafe {
-            match rope.layout() {
-                RopeLayout::Interleaved => {
-                    for c in (0..d).step_by(8) {
-                        let v = k.rotate_pairs(k.load_ptr(x.add(c)), k.load_ptr(cs.add(c)));
-                        k.store_ptr(v, x.add(c));
-                    }
+        rotate_row(k, rope.layout(), row, rope.row(first + t));
+    }
+}
+
+/// The query rows `q` (natural order, `d` channels each) turned back by the angles of
+/// position `pos`, `R(−pos)·q`, into `out`; `back` is scratch space for the angles' table row.
+#[inline(always)]
+pub(super) fn turn_back<K: Kernel>(
+    k: K,
+    rope: &RopeTable,
+    q: &[f32],
+    d: usize,
+    pos: usize,
+    back: &mut Vec<f32>,
+    out: &mut Vec<f32>,
+) {
+    // `R(−φ)` is `R(φ)` with the sines negated.
+    back.clear();
+    back.extend(rope.row(pos).chunks_exact(2).flat_map(|cs| [cs[0], -cs[1]]));
+    out.clear();
+    out.extend_from_slice(q);
+    for row in out.chunks_exact_mut(d) {
+        rotate_row(k, rope.layout(), row, back);
+    }
+}
+
+/// Rotates `x` by the `[cos, sin]` pairs of a RoPE table row `cs` (`x.len()` floats each) as
+/// [`RopeTable::rotate`] does, eight channels per step.
+#[inline(always)]
+fn rotate_row<K: Kernel>(k: K, layout: RopeLayout, x: &mut [f32], cs: &[f32]) {
+    let d = x.len();
+    assert!(d.is_multiple_of(16) && cs.len() == d);
+    let half = d / 2;
+    let (x, cs) = (x.as_mut_ptr(), cs.as_ptr());
+    // SAFETY: `x` and `cs` hold `d` floats each, and every access below reads or writes 8 of
+    // them at an offset `c + 8 <= d` (or `half + c + 8 <= d`, `2c + 16 <= d`).
+    unsafe {
+        match layout {
+            RopeLayout::Interleaved => {
+                for c in (0..d).step_by(8) {
+                    let v = k.rotate_pairs(k.load_ptr(x.add(c)), k.load_ptr(cs.add(c)));
+                    k.store_ptr(v, x.add(c));
                 }
-                RopeLayout::Halves => {
-                    for c in (0..half).step_by(8) {
-                        let (lo, hi) = k.rotate_halves(
-                            k.load_ptr(x.add(c)),
-                            k.load_ptr(x.add(half + c)),
-                            k.load_ptr(cs.add(2 * c)),
-                            k.load_ptr(cs.add(2 * c + 8)),
-                        );
-                        k.store_ptr(lo, x.add(c));
-                        k.store_ptr(hi, x.add(half + c));
-                    }
+            }
+            RopeLayout::Halves => {
+                for c in (0..half).step_by(8) {
+                    let (lo, hi) = k.rotate_halves(
+                        k.load_ptr(x.add(c)),
+                        k.load_ptr(x.add(half + c)),
+                        k.load_ptr(cs.add(2 * c)),
+                        k.load_ptr(cs.add(2 * c + 8)),
+                    );
+                    k.store_ptr(lo, x.add(c));
+                    k.store_ptr(hi, x.add(half + c));
                 }
             }
         }
