@@ -104,6 +104,9 @@ pub(crate) trait Kernel: Copy {
     fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
     /// [`Kernel::rotate_split`] of `x = [a | b]` by `cs = [c | s]`: `[a·c − b·s | a·s + b·c]`.
     fn wrotate_split(self, x: Self::W, cs: Self::W) -> Self::W;
+    /// [`Kernel::rotate_split`] of sixteen pairs `(a[i], b[i])` by their cosines `c` and sines
+    /// `s`: `(a·c − b·s, a·s + b·c)`, each product rounded.
+    fn wrotate_pairs(self, a: Self::W, b: Self::W, c: Self::W, s: Self::W) -> (Self::W, Self::W);
     /// Sum of the lanes of each of eight wide vectors. The pairs add their halves and then
     /// `hsum8`; the AVX-512 build adds in another order, across 512-bit shuffles.
     fn wsum8(self, w: [Self::W; 8]) -> [f32; 8];
@@ -334,6 +337,19 @@ macro_rules! wide_as_pairs {
         fn wrotate_split(self, x: [$v; 2], cs: [$v; 2]) -> [$v; 2] {
             let (a, b) = Kernel::rotate_split(self, x[0], x[1], cs[0], cs[1]);
             [a, b]
+        }
+
+        #[inline(always)]
+        fn wrotate_pairs(
+            self,
+            a: [$v; 2],
+            b: [$v; 2],
+            c: [$v; 2],
+            s: [$v; 2],
+        ) -> ([$v; 2], [$v; 2]) {
+            let (x0, y0) = Kernel::rotate_split(self, a[0], b[0], c[0], s[0]);
+            let (x1, y1) = Kernel::rotate_split(self, a[1], b[1], c[1], s[1]);
+            ([x0, x1], [y0, y1])
         }
 
         #[inline(always)]
@@ -667,6 +683,13 @@ mod avx2 {
         fn wfmadd(self, a: Self::W, b: Self::W, c: Self::W) -> Self::W;
         fn wmul(self, a: Self::W, b: Self::W) -> Self::W;
         fn wrotate_split(self, x: Self::W, cs: Self::W) -> Self::W;
+        fn wrotate_pairs(
+            self,
+            a: Self::W,
+            b: Self::W,
+            c: Self::W,
+            s: Self::W,
+        ) -> (Self::W, Self::W);
         fn wsum8(self, w: [Self::W; 8]) -> [f32; 8];
         /// # Safety
         /// As [`Kernel::f16x16`].
@@ -850,6 +873,17 @@ mod avx2 {
                 let s = _mm512_shuffle_f32x4::<0b11_10_11_10>(cs, cs);
                 let (xc, ys) = (_mm512_mul_ps(x, c), _mm512_mul_ps(swapped, s));
                 _mm512_mask_sub_ps(_mm512_add_ps(xc, ys), 0x00ff, xc, ys)
+            }
+        }
+
+        #[inline(always)]
+        fn wrotate_pairs(self, a: __m512, b: __m512, c: __m512, s: __m512) -> (__m512, __m512) {
+            // SAFETY: see the module note; register-only.
+            unsafe {
+                (
+                    _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)),
+                    _mm512_add_ps(_mm512_mul_ps(a, s), _mm512_mul_ps(b, c)),
+                )
             }
         }
 
@@ -1237,6 +1271,17 @@ mod avx2 {
         #[inline(always)]
         fn wrotate_split(self, x: Self::W, cs: Self::W) -> Self::W {
             Wide::wrotate_split(self, x, cs)
+        }
+
+        #[inline(always)]
+        fn wrotate_pairs(
+            self,
+            a: Self::W,
+            b: Self::W,
+            c: Self::W,
+            s: Self::W,
+        ) -> (Self::W, Self::W) {
+            Wide::wrotate_pairs(self, a, b, c, s)
         }
 
         #[inline(always)]
@@ -1668,10 +1713,18 @@ mod tests {
                 let (a0, a1) = (k.load_ptr(a.as_ptr()), k.load_ptr(a.as_ptr().add(8)));
                 let (b0, b1) = (k.load_ptr(b.as_ptr()), k.load_ptr(b.as_ptr().add(8)));
                 let p = bytes.as_ptr();
+                let (cos, sin) = (0.6, -0.8);
+                let turned = k.wrotate_pairs(wa, wb, k.wsplat(cos), k.wsplat(sin));
+                let (first, second) = (
+                    k.rotate_split(a0, b0, k.splat(cos), k.splat(sin)),
+                    k.rotate_split(a1, b1, k.splat(cos), k.splat(sin)),
+                );
                 for w in [
                     k.wfmadd(wa, wb, k.wsplat(0.5)),
                     k.wmul(wa, wb),
                     k.wrotate_split(wa, wb),
+                    turned.0,
+                    turned.1,
                     k.join(a0, b1),
                     k.f16x16(halves.as_ptr()),
                     k.i8x16(p),
@@ -1691,6 +1744,8 @@ mod tests {
                         let (first, second) = k.rotate_split(a0, a1, b0, b1);
                         [first, second]
                     },
+                    [first.0, second.0],
+                    [first.1, second.1],
                     [a0, b1],
                     [k.f16x8(halves.as_ptr()), k.f16x8(halves.as_ptr().add(16))],
                     [k.i8x8(p), k.i8x8(p.add(8))],
@@ -1746,7 +1801,7 @@ mod tests {
     #[test]
     fn every_tiers_wide_primitives_are_two_narrow_ones_joined() {
         for (tier, (wide, pairs)) in on_every_tier(|| WidePrimitives) {
-            assert_eq!(wide.len(), 11 * 16);
+            assert_eq!(wide.len(), 13 * 16);
             for (i, (w, p)) in wide.iter().zip(&pairs).enumerate() {
                 assert_eq!(w.to_bits(), p.to_bits(), "{tier:?}, value {i}: {w} vs {p}");
             }

@@ -739,6 +739,66 @@ impl<R: Rows> Rows for RotatedRows<'_, R> {
     }
 }
 
+/// [`RotatedRows`] for RoPE pairs `(i, i + d/2)`: position `p` of a chunk in the first half
+/// and position `p` of the chunk `d/2` channels on hold a pair (`d/2` is a whole number of
+/// chunks, and every chunk is ordered alike), so each is rotated with its partner, decoded
+/// beside it. `cs` holds, per row `t`, the pairs' cosines then their sines (`d/2` each), each
+/// half put into the codes' order.
+pub(super) struct HalvesRotatedRows<'a, R> {
+    pub(super) rows: &'a R,
+    /// At least `n × d`: the RoPE table's first rows, as above.
+    pub(super) cs: &'a [f32],
+    pub(super) d: usize,
+}
+
+impl<R: Rows> HalvesRotatedRows<'_, R> {
+    /// The first-half chunk of the pair that the chunk at `c0` belongs to, and whether `c0` is
+    /// its second half.
+    #[inline(always)]
+    fn pair_chunk(&self, c0: usize) -> (usize, bool) {
+        let half = self.d / 2;
+        if c0 < half {
+            (c0, false)
+        } else {
+            (c0 - half, true)
+        }
+    }
+}
+
+impl<R: Rows> Rows for HalvesRotatedRows<'_, R> {
+    const CHUNK: usize = R::CHUNK;
+
+    #[inline(always)]
+    unsafe fn row8<K: Kernel>(&self, k: K, t: usize, c0: usize, j: usize) -> K::V {
+        let (lo, second) = self.pair_chunk(c0);
+        let half = self.d / 2;
+        // SAFETY: forwarded contract for the chunks at `lo` and `lo + d/2`, both within the
+        // row; `cs` holds `n × d` floats (checked where built), and `t < n`,
+        // `half + lo + 8j + 8 <= d`.
+        unsafe {
+            let a = self.rows.row8(k, t, lo, j);
+            let b = self.rows.row8(k, t, lo + half, j);
+            let cs = self.cs.as_ptr().add(t * self.d + lo + 8 * j);
+            let (x, y) = k.rotate_split(a, b, k.load_ptr(cs), k.load_ptr(cs.add(half)));
+            if second { y } else { x }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row16<K: Kernel>(&self, k: K, t: usize, c0: usize, pass: usize) -> K::W {
+        let (lo, second) = self.pair_chunk(c0);
+        let half = self.d / 2;
+        // SAFETY: as in `row8`, for 16 positions from `lo + 16·pass`.
+        unsafe {
+            let a = self.rows.row16(k, t, lo, pass);
+            let b = self.rows.row16(k, t, lo + half, pass);
+            let cs = self.cs.as_ptr().add(t * self.d + lo + 16 * pass);
+            let (x, y) = k.wrotate_pairs(a, b, k.wload_ptr(cs), k.wload_ptr(cs.add(half)));
+            if second { y } else { x }
+        }
+    }
+}
+
 impl StreamBlock<'_> {
     /// Converts the f16 parameters of the first `n` tokens to f32 in `out`, laid out as the
     /// format's [`Rows`] reads them.

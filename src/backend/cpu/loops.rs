@@ -98,13 +98,27 @@ pub(super) fn run_item<K: Kernel>(
     // which stay in cache, where the block's own positions' rows streamed `4·d` table bytes
     // per token beside the KV bytes (as the HIP kernels do: `turn_query_back`).
     let rope = view.rope.filter(|_| view.layout.scheme().pre_rope);
-    // 4- and 2-bit keys with interleaved pairs are rotated as they are decoded
-    // (`RotatedRows`), by the table's first `g` rows put into the codes' order once per item.
-    let rotate_decoded =
-        rope.is_some_and(|r| r.layout() == RopeLayout::Interleaved && k_order != Order::Natural);
+    // 4- and 2-bit keys are rotated as they are decoded (`RotatedRows`, `HalvesRotatedRows`),
+    // by the table's first `g` rows put into the codes' order once per item.
+    let rotate_decoded = rope.is_some() && k_order != Order::Natural;
     let mut offset_cs = Vec::new();
     if let Some(rope) = rope.filter(|_| rotate_decoded) {
-        k_order.permute(k, rope.rows(0, g), d, &mut offset_cs);
+        let first_rows = rope.rows(0, g);
+        match rope.layout() {
+            RopeLayout::Interleaved => k_order.permute(k, first_rows, d, &mut offset_cs),
+            RopeLayout::Halves => {
+                // Per row the cosines, then the sines: each half is whole chunks, so the
+                // permutation puts each where its pair's first element goes.
+                let split: Vec<f32> = first_rows
+                    .chunks_exact(d)
+                    .flat_map(|row| {
+                        let cos = row.iter().step_by(2);
+                        cos.chain(row.iter().skip(1).step_by(2)).copied()
+                    })
+                    .collect();
+                k_order.permute(k, &split, d, &mut offset_cs);
+            }
+        }
     }
     let (mut turned, mut turned_ordered, mut back) = (Vec::new(), Vec::new(), Vec::new());
     for (i, block) in blocks.iter().enumerate() {
@@ -124,32 +138,29 @@ pub(super) fn run_item<K: Kernel>(
                 &mut turned,
             );
         }
-        if rope.is_some() && rotate_decoded && order == k_order && block.k.outliers.is_none() {
-            // Pre-RoPE 4- and 2-bit keys with interleaved pairs, rotated as they are decoded
-            // against the turned-back query in the codes' order.
+        if let Some(rope) =
+            rope.filter(|_| rotate_decoded && order == k_order && block.k.outliers.is_none())
+        {
+            // Pre-RoPE 4- and 2-bit keys, rotated as they are decoded against the turned-back
+            // query in the codes' order.
             order.permute(k, &turned, d, &mut turned_ordered);
             assert!(offset_cs.len() >= n * d);
-            with_rows!(k, block.k, n, params, |rows| {
-                let rows = RotatedRows {
-                    rows: &rows,
-                    cs: &offset_cs,
-                    d,
-                };
-                score_block(
-                    k,
-                    &rows,
-                    n,
-                    d,
-                    &turned_ordered,
-                    &mut scores,
-                    g,
-                    &mut prefetch_k,
-                );
+            let (q, cs) = (&turned_ordered, &offset_cs);
+            with_rows!(k, block.k, n, params, |rows| match rope.layout() {
+                RopeLayout::Interleaved => {
+                    let rows = RotatedRows { rows: &rows, cs, d };
+                    score_block(k, &rows, n, d, q, &mut scores, g, &mut prefetch_k);
+                }
+                RopeLayout::Halves => {
+                    let rows = HalvesRotatedRows { rows: &rows, cs, d };
+                    score_block(k, &rows, n, d, q, &mut scores, g, &mut prefetch_k);
+                }
             });
         } else if let Some(rope) = rope {
-            // Keys stored before RoPE otherwise (f16 sinks and open pages, halves-layout pairs,
-            // pages with outliers): dequantize the block's keys, put the outliers in, rotate each
-            // key by its row in the block (KVQuant), and score against the turned-back query.
+            // Keys stored before RoPE otherwise (f16 sinks and open pages, natural-order
+            // formats, pages with outliers): dequantize the block's keys, put the outliers in,
+            // rotate each key by its row in the block (KVQuant), and score against the
+            // turned-back query.
             dense.resize(n * d, 0.0);
             with_rows!(k, block.k, n, params, |rows| decode_block(
                 k, &rows, order, n, d, &mut dense
