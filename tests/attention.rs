@@ -76,6 +76,7 @@ fn options_sinks_groups_outliers_and_rope() {
             "kivi4,pre_rope",
             "k=q4_tok,v=q4_tok,pre_rope",
             "kivi4,pre_rope,outliers,sinks=2",
+            "q8,pre_rope",
             "kv3",
             "kv2",
         ] {
@@ -87,8 +88,8 @@ fn options_sinks_groups_outliers_and_rope() {
                 5,
             );
         }
-        // Pre-RoPE keys at the other head_dims' unrolled loops: 4-bit ones decoded, rotated
-        // and scored, 2-bit ones rotated as they are decoded.
+        // Pre-RoPE keys at the other head_dims' unrolled loops, 4- and 2-bit ones rotated as
+        // they are decoded.
         for d in [128, 256] {
             for scheme in ["kv4", "kv2"] {
                 check(
