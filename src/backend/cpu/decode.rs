@@ -191,7 +191,7 @@ impl Order {
 
     /// Channels per chunk of this order, in which [`Order::order_chunk`] moves them: 8, 16
     /// or 32.
-    fn chunk(self) -> usize {
+    pub(super) fn chunk(self) -> usize {
         match self {
             Order::Natural => 8,
             Order::Nibbles => 16,
@@ -864,22 +864,40 @@ pub(super) fn planar_params<K: Kernel>(k: K, order: Order, pairs: &[u8], out: &m
     assert!(pairs.len() >= 4 * d && d.is_multiple_of(chunk));
     let (scales, mins) = out.split_at_mut(d);
     for c in (0..d).step_by(chunk) {
-        let (mut s, mut m) = ([k.splat(0.0); 4], [k.splat(0.0); 4]);
-        for i in 0..chunk / 8 {
-            // SAFETY: channels `c + 8i .. + 8` are below `d`, and their pairs are the 32 bytes
-            // at `4(c + 8i)` of the `4d` checked above.
-            let (a, b) = unsafe {
-                let p = pairs.as_ptr().add(4 * (c + 8 * i));
-                (k.f16x8(p), k.f16x8(p.add(16)))
-            };
-            (s[i], m[i]) = k.deinterleave(a, b);
-        }
-        let (s, m) = (order.order_chunk(k, s), order.order_chunk(k, m));
+        // SAFETY: `c + chunk <= d`, and `pairs` holds the `4d` bytes of `d` pairs (checked
+        // above).
+        let (s, m) = unsafe { planar_chunk(k, order, pairs, c) };
         for i in 0..chunk / 8 {
             k.store(s[i], &mut scales[c + 8 * i..]);
             k.store(m[i], &mut mins[c + 8 * i..]);
         }
     }
+}
+
+/// The scales and the minimums of positions `c .. c + order.chunk()` of a per-channel page
+/// (as [`planar_params`] lays them out), in the first `chunk / 8` vectors of each.
+///
+/// # Safety
+/// `c` is a multiple of `order.chunk()` and `pairs` holds the 4 bytes of every channel below
+/// `c + order.chunk()`.
+#[inline(always)]
+pub(super) unsafe fn planar_chunk<K: Kernel>(
+    k: K,
+    order: Order,
+    pairs: &[u8],
+    c: usize,
+) -> ([K::V; 4], [K::V; 4]) {
+    let (mut s, mut m) = ([k.splat(0.0); 4], [k.splat(0.0); 4]);
+    for i in 0..order.chunk() / 8 {
+        // SAFETY: channels `c + 8i .. + 8` lie within the chunk, and their pairs are the 32
+        // bytes at `4(c + 8i)` (the caller's contract).
+        let (a, b) = unsafe {
+            let p = pairs.as_ptr().add(4 * (c + 8 * i));
+            (k.f16x8(p), k.f16x8(p.add(16)))
+        };
+        (s[i], m[i]) = k.deinterleave(a, b);
+    }
+    (order.order_chunk(k, s), order.order_chunk(k, m))
 }
 
 #[cfg(test)]

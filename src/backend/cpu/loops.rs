@@ -176,29 +176,40 @@ pub(super) fn run_item<K: Kernel>(
         } else if let Format::Chan { bits } = block.k.format {
             // Per-channel parameters are the page's: fold the scales into the queries and the
             // minimums into one bias per row, and score the bare codes.
-            block.k.params_f32(k, n, &mut params);
-            let (scale, min) = params.split_at(d);
-            fold_chan_params(k, &queries, scale, min, d, &mut folded, &mut bias);
+            // The order a constant in each arm, so the fold's chunk loops unroll.
+            let pairs = block.k.params;
             let packed = Packed::new(block.k.rows, block.k.row_bytes, n);
+            let book = block.k.book;
             match bits {
                 LowBits::Four => {
-                    let codes = ChanCodes::<4> {
-                        packed,
-                        book: block.k.book,
-                    };
+                    fold_chan_page(
+                        k,
+                        Order::Nibbles,
+                        pairs,
+                        &queries,
+                        d,
+                        &mut folded,
+                        &mut bias,
+                    );
+                    let codes = ChanCodes::<4> { packed, book };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
-                    let rows = ChanRows { codes, scale, min };
-                    correct_scores(k, &rows, block, order, &hq.rows, &mut scores, g);
                 }
                 LowBits::Two => {
-                    let codes = ChanCodes::<2> {
-                        packed,
-                        book: block.k.book,
-                    };
+                    fold_chan_page(k, Order::Crumbs, pairs, &queries, d, &mut folded, &mut bias);
+                    let codes = ChanCodes::<2> { packed, book };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
-                    let rows = ChanRows { codes, scale, min };
-                    correct_scores(k, &rows, block, order, &hq.rows, &mut scores, g);
                 }
+            }
+            if block.k.outliers.is_some() {
+                with_rows!(k, block.k, n, params, |rows| correct_scores(
+                    k,
+                    &rows,
+                    block,
+                    order,
+                    &hq.rows,
+                    &mut scores,
+                    g
+                ));
             }
             for (r, b) in bias.iter().enumerate() {
                 scores[r * g..r * g + n].iter_mut().for_each(|s| *s += b);
@@ -346,44 +357,48 @@ fn rotate_row<K: Kernel>(k: K, layout: RopeLayout, x: &mut [f32], cs: &[f32]) {
     }
 }
 
-/// `folded[r][p] = q[r][p] · scale[p]` and `bias[r] = Σ_p q[r][p] · min[p]`, so that
-/// `q · (scale ⊙ code + min) = folded · code + bias` (all in the key format's order).
+/// `folded[r][p] = q[r][p] · scale[p]` and `bias[r] = Σ_p q[r][p] · min[p]` for the f16
+/// `(scale, min)` pairs of a per-channel page, so that `q · (scale ⊙ code + min) =
+/// folded · code + bias` (all in the key format's `order`). Each chunk's parameters are
+/// converted in registers and used by up to eight rows at once, whose sums are independent
+/// chains of multiply-adds: one row at a time, the fold waited on one chain of `d / 8` of
+/// them per row and page.
 #[inline(always)]
-pub(super) fn fold_chan_params<K: Kernel>(
+pub(super) fn fold_chan_page<K: Kernel>(
     k: K,
+    order: Order,
+    pairs: &[u8],
     q: &[f32],
-    scale: &[f32],
-    min: &[f32],
     d: usize,
     folded: &mut Vec<f32>,
     bias: &mut Vec<f32>,
 ) {
-    assert!(d.is_multiple_of(8) && scale.len() == d && min.len() == d);
+    let chunk = order.chunk();
+    assert!(d.is_multiple_of(chunk) && pairs.len() >= 4 * d && q.len().is_multiple_of(d));
     folded.resize(q.len(), 0.0);
-    let mut sums = [k.splat(0.0); 8];
     bias.clear();
     let rows = q.len() / d;
-    for (r, (qr, f)) in q
-        .chunks_exact(d)
-        .zip(folded.chunks_exact_mut(d))
-        .enumerate()
-    {
-        let mut b = k.splat(0.0);
-        for c in (0..d).step_by(8) {
-            // SAFETY: `c + 8 <= d` and every slice here holds `d` floats.
-            unsafe {
-                let qv = k.load_ptr(qr.as_ptr().add(c));
-                k.store_ptr(
-                    k.mul(qv, k.load_ptr(scale.as_ptr().add(c))),
-                    f.as_mut_ptr().add(c),
-                );
-                b = k.fmadd(qv, k.load_ptr(min.as_ptr().add(c)), b);
+    for r0 in (0..rows).step_by(8) {
+        let group = (rows - r0).min(8);
+        let mut sums = [k.splat(0.0); 8];
+        for c in (0..d).step_by(chunk) {
+            // SAFETY: `c` is a multiple of `chunk` and `c + chunk <= d`, whose pairs `pairs`
+            // holds (checked above).
+            let (scale, min) = unsafe { planar_chunk(k, order, pairs, c) };
+            for (r, sum) in sums.iter_mut().enumerate().take(group) {
+                let at = (r0 + r) * d + c;
+                for i in 0..chunk / 8 {
+                    // SAFETY: row `r0 + r < rows` holds `d` floats in `q` and in `folded`,
+                    // and `c + 8i + 8 <= d`.
+                    unsafe {
+                        let qv = k.load_ptr(q.as_ptr().add(at + 8 * i));
+                        k.store_ptr(k.mul(qv, scale[i]), folded.as_mut_ptr().add(at + 8 * i));
+                        *sum = k.fmadd(qv, min[i], *sum);
+                    }
+                }
             }
         }
-        sums[r % 8] = b;
-        if r % 8 == 7 || r + 1 == rows {
-            bias.extend_from_slice(&k.hsum8(sums)[..r % 8 + 1]);
-        }
+        bias.extend_from_slice(&k.hsum8(sums)[..group]);
     }
 }
 
@@ -919,6 +934,76 @@ mod tests {
         fn call<K: Kernel>(mut self, k: K) -> Vec<f32> {
             rotate_rows(k, self.rope, &mut self.rows, self.d, self.first);
             self.rows
+        }
+    }
+
+    struct Fold<'a> {
+        order: Order,
+        pairs: &'a [u8],
+        q: &'a [f32],
+        d: usize,
+    }
+
+    impl KernelFn<(Vec<f32>, Vec<f32>)> for Fold<'_> {
+        fn call<K: Kernel>(self, k: K) -> (Vec<f32>, Vec<f32>) {
+            let (mut folded, mut bias) = (Vec::new(), Vec::new());
+            fold_chan_page(
+                k,
+                self.order,
+                self.pairs,
+                self.q,
+                self.d,
+                &mut folded,
+                &mut bias,
+            );
+            (folded, bias)
+        }
+    }
+
+    /// The fold of a per-channel page on every instruction set: each folded element is the
+    /// query times its channel's scale to the bit, each bias the query's dot product with the
+    /// minimums, for 11 rows (a group of eight and a partial one) in both low-bit orders.
+    #[test]
+    fn pages_fold_into_the_query_rows() {
+        let mut rng = Rng::new(11);
+        let (d, rows) = (128, 11);
+        let pairs: Vec<u8> = (0..2 * d)
+            .flat_map(|_| half::f16::from_f32(rng.normal()).to_le_bytes())
+            .collect();
+        let q: Vec<f32> = (0..rows * d).map(|_| rng.normal()).collect();
+        for order in [Order::Nibbles, Order::Crumbs] {
+            let mut planar = vec![0.0; 2 * d];
+            planar_params(Portable, order, &pairs, &mut planar);
+            let (scales, mins) = planar.split_at(d);
+            let job = || Fold {
+                order,
+                pairs: &pairs,
+                q: &q,
+                d,
+            };
+            for (folded, bias) in [job().call(Portable), dispatch(job())] {
+                assert_eq!(bias.len(), rows);
+                for (r, row) in q.chunks_exact(d).enumerate() {
+                    for p in 0..d {
+                        assert_eq!(folded[r * d + p], row[p] * scales[p], "{order:?} {r} {p}");
+                    }
+                    let exact: f64 = row
+                        .iter()
+                        .zip(mins)
+                        .map(|(&x, &m)| x as f64 * m as f64)
+                        .sum();
+                    let magnitude: f64 = row
+                        .iter()
+                        .zip(mins)
+                        .map(|(&x, &m)| (x * m).abs() as f64)
+                        .sum();
+                    assert!(
+                        (bias[r] as f64 - exact).abs() <= 1e-6 * magnitude,
+                        "{order:?} {r}: {} against {exact}",
+                        bias[r]
+                    );
+                }
+            }
         }
     }
 
