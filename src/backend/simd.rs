@@ -238,6 +238,14 @@ pub(crate) trait Kernel: Copy {
         }
     }
 
+    /// `2^x` of one value (`x ≤ 0`), by [`Kernel::exp2_in_place`]'s formula: the softmax's
+    /// per-block rescale of a row, where a call into libm's `exp2f` cost a vector-state switch
+    /// and the spills around it.
+    #[inline(always)]
+    fn exp2(self, x: f32) -> f32 {
+        exp2_poly(self, x)
+    }
+
     /// The largest of `xs` (`-inf` when empty or all `-inf`; no NaN expected).
     #[inline(always)]
     fn max_of(self, xs: &[f32]) -> f32 {
@@ -279,7 +287,9 @@ fn exp2_poly<K: Kernel>(k: K, x: f32) -> f32 {
     if x < EXP2_MIN {
         return 0.0;
     }
-    let i = x.round();
+    // Ties to even, as the vector forms round (`_MM_FROUND_TO_NEAREST_INT`), and one
+    // instruction where `round` (ties away) is a call into libm.
+    let i = x.round_ties_even();
     let f = x - i;
     let p = EXP2_POLY[1..]
         .iter()
@@ -1903,6 +1913,29 @@ mod tests {
         fn call<K: Kernel>(mut self, k: K) -> Vec<f32> {
             k.exp2_in_place(&mut self.0);
             self.0
+        }
+    }
+
+    /// Each value through the one-value `Kernel::exp2`.
+    struct Exp2Each(Vec<f32>);
+    impl KernelFn<Vec<f32>> for Exp2Each {
+        fn call<K: Kernel>(mut self, k: K) -> Vec<f32> {
+            self.0.iter_mut().for_each(|x| *x = k.exp2(*x));
+            self.0
+        }
+    }
+
+    /// The one-value form gives the vector lanes' bits on every tier, ties included (`x` an
+    /// odd multiple of 0.5, which the reduction rounds to even as the vector forms do).
+    #[test]
+    fn exp2_of_one_value_matches_the_lanes() {
+        let xs: Vec<f32> = (0..4_001).map(|i| -(i as f32) * 0.031_25).collect();
+        let lanes = on_every_tier(|| Exp2(xs.clone()));
+        let each = on_every_tier(|| Exp2Each(xs.clone()));
+        for ((tier, lanes), (_, each)) in lanes.into_iter().zip(each) {
+            for ((&x, &a), &b) in xs.iter().zip(&lanes).zip(&each) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{tier:?}: 2^{x}");
+            }
         }
     }
 

@@ -494,7 +494,7 @@ pub(super) fn softmax_block<K: Kernel>(
             continue;
         }
         let m = part.max[r].max(block_max);
-        let alpha = (part.max[r] - m).exp2();
+        let alpha = k.exp2(part.max[r] - m);
         part.max[r] = m;
         if alpha != 1.0 {
             part.sum[r] *= alpha;
