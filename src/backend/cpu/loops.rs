@@ -175,42 +175,24 @@ pub(super) fn run_item<K: Kernel>(
             score_block(k, &rows, n, d, &turned, &mut scores, g, &mut prefetch_k);
         } else if let Format::Chan { bits } = block.k.format {
             // Per-channel parameters are the page's: fold the scales into the queries and the
-            // minimums into one bias per row, and score the bare codes.
-            // The order a constant in each arm, so the fold's chunk loops unroll.
-            let pairs = block.k.params;
+            // minimums into one bias per row, and score the bare codes (the order a constant
+            // in each arm, so the fold's chunk loops unroll).
+            let (pairs, q) = (block.k.params, &queries);
             let packed = Packed::new(block.k.rows, block.k.row_bytes, n);
             let book = block.k.book;
             match bits {
                 LowBits::Four => {
-                    fold_chan_page(
-                        k,
-                        Order::Nibbles,
-                        pairs,
-                        &queries,
-                        d,
-                        &mut folded,
-                        &mut bias,
-                    );
+                    fold_chan_page(k, Order::Nibbles, pairs, q, d, &mut folded, &mut bias);
                     let codes = ChanCodes::<4> { packed, book };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                 }
                 LowBits::Two => {
-                    fold_chan_page(k, Order::Crumbs, pairs, &queries, d, &mut folded, &mut bias);
+                    fold_chan_page(k, Order::Crumbs, pairs, q, d, &mut folded, &mut bias);
                     let codes = ChanCodes::<2> { packed, book };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                 }
             }
-            if block.k.outliers.is_some() {
-                with_rows!(k, block.k, n, params, |rows| correct_scores(
-                    k,
-                    &rows,
-                    block,
-                    order,
-                    &hq.rows,
-                    &mut scores,
-                    g
-                ));
-            }
+            correct_unrowed_scores(k, block, order, &hq.rows, &mut params, &mut scores, g);
             for (r, b) in bias.iter().enumerate() {
                 scores[r * g..r * g + n].iter_mut().for_each(|s| *s += b);
             }
@@ -225,17 +207,7 @@ pub(super) fn run_item<K: Kernel>(
                 g,
                 &mut prefetch_k,
             );
-            if block.k.outliers.is_some() {
-                with_rows!(k, block.k, n, params, |rows| correct_scores(
-                    k,
-                    &rows,
-                    block,
-                    order,
-                    &hq.rows,
-                    &mut scores,
-                    g
-                ));
-            }
+            correct_unrowed_scores(k, block, order, &hq.rows, &mut params, &mut scores, g);
         } else {
             let q = if order == Order::Natural {
                 &hq.rows
@@ -425,6 +397,25 @@ pub(super) fn correct_scores<K: Kernel, R: Rows>(
                 scores[r * g + t] += q[c] * delta;
             }
         }
+    }
+}
+
+/// [`correct_scores`] for keys scored without their [`Rows`] (folded per-channel pages,
+/// integer-query scores): the parameters are converted only for a block with outliers.
+#[inline(always)]
+fn correct_unrowed_scores<K: Kernel>(
+    k: K,
+    block: &Block<'_>,
+    order: Order,
+    q: &[f32],
+    mut params: &mut Vec<f32>,
+    scores: &mut [f32],
+    g: usize,
+) {
+    if block.k.outliers.is_some() {
+        with_rows!(k, block.k, block.tokens, params, |rows| correct_scores(
+            k, &rows, block, order, q, scores, g
+        ));
     }
 }
 
