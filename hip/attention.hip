@@ -176,6 +176,34 @@ struct WaveRows {
     size_t out;                // row r's partials: partial_acc[(out + r)·D], partial_max[out + r]
 };
 
+// Rounds `x`, this lane's channel of one HIPKV_QUERY_BLOCK block that the wave holds (every
+// lane takes part), to int8 as `quant::quantize_query` does: the block's scale, set in every
+// lane, is max|x| / 127 (NaN when the block holds a NaN or an infinity); returns the code.
+HIPKV_DEV uint8_t round_query_lane(float x, float &scale) {
+    const float amax = wave_max(fabsf(x));
+    const bool finite = wave_max(fabsf(x) <= __FLT_MAX__ ? 0.0f : 1.0f) == 0.0f;
+    scale = finite ? amax / Int8Codes::kMaxCode : __builtin_nanf("");
+    return Int8Codes::encode(x, scale);
+}
+
+// Where `fold_chan_query` leaves a block's folded query rounded to int8 (`iq` of per-channel
+// keys): each row in its own partial output (a wave of fewer than kRows rows owns no more),
+// its D codes first, in `int_query_slot` order, then its D/32 block scales. Row r's codes are
+// at byte kChanCodeStride<D>·r of `chan_query_codes`, its scales at float
+// kChanScaleStride<D>·r of `chan_query_scales`.
+template <int D>
+constexpr uint32_t kChanScaleStride = D;
+template <int D>
+constexpr uint32_t kChanCodeStride = 4 * D;
+template <int D>
+HIPKV_DEV uint8_t *chan_query_codes(const hipkv_attn_params &p, const WaveRows<D> &w) {
+    return reinterpret_cast<uint8_t *>(p.partial_acc + w.out * D);
+}
+template <int D>
+HIPKV_DEV float *chan_query_scales(const hipkv_attn_params &p, const WaveRows<D> &w) {
+    return p.partial_acc + w.out * D + D / 4;
+}
+
 // Adds to the scores of token `t` its key outliers' corrections `q · (exact − dense)`.
 template <int F, int D>
 HIPKV_DEV void add_key_outliers(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
@@ -318,19 +346,25 @@ HIPKV_DEV void int_key_block(const uint8_t *row, uint32_t b, uint32_t key[format
 // Scores of token `t` from the int8-rounded query (`int_query`), as `score_token` computes them
 // from its f32 rows (which are that query, dequantized): each HIPKV_QUERY_BLOCK block's codes
 // dotted exactly in integers (`int_query_dots`), then weighted by the query block's scale (and
-// q8_0's key block scale); per-token groups add `min · Σq` as `score_token` does, and q8's
-// token scale is applied once.
+// q8_0's key block scale); per-token groups add `min · Σq` as `score_token` does, per-channel
+// keys their row's `q · m`, and q8's token scale is applied once.
 template <int F, int D>
 HIPKV_DEV void score_token_int(const hipkv_attn_params &p, const StreamView &k, uint32_t t,
                                const WaveRows<D> &w, float s[kRows<D>]) {
     static_assert(format_int_query(F), "integer-query scores of integer codes only");
     constexpr uint32_t B = format_bits(F), kBlocks = D / HIPKV_QUERY_BLOCK;
-    // The rows' codes and scales lie at the index of their f32 rows (`w.q`), scaled down. The
-    // codes are read with global loads (`load4`); the scales through a generic pointer, since
-    // global loads of them too spill VGPRs at head_dim 256 (the compiler schedules them earlier).
+    // The rows' codes and scales lie at the index of their f32 rows (`w.q`), scaled down; for
+    // per-channel keys, the block's folded query that `fold_chan_query` rounded, in the rows'
+    // partial outputs. The codes are read with global loads (`load4`); the scales through a
+    // generic pointer, since global loads of them too spill VGPRs at head_dim 256 (the compiler
+    // schedules them earlier).
     const size_t first = (size_t)(w.q - p.q_f32);
-    const uint8_t *qc = vector_ptr(reinterpret_cast<const uint8_t *>(p.q_codes) + first);
-    const float *qs = vector_ptr(p.q_scales + first / HIPKV_QUERY_BLOCK);
+    const uint8_t *qc = vector_ptr(format_is_chan(F) ? chan_query_codes<D>(p, w)
+                                                     : reinterpret_cast<const uint8_t *>(p.q_codes) + first);
+    const float *qs = vector_ptr(format_is_chan(F) ? chan_query_scales<D>(p, w)
+                                                   : p.q_scales + first / HIPKV_QUERY_BLOCK);
+    constexpr uint32_t code_stride = format_is_chan(F) ? kChanCodeStride<D> : D;
+    constexpr uint32_t scale_stride = format_is_chan(F) ? kChanScaleStride<D> : kBlocks;
     const uint8_t *row = k.rows + (size_t)t * k.row_bytes;
     for (int r = 0; r < kRows<D>; ++r) s[r] = 0.0f;
     // Blocks per parameter group: a per-token group spans whole blocks; the others have one
@@ -349,14 +383,14 @@ HIPKV_DEV void score_token_int(const hipkv_attn_params &p, const StreamView &k, 
             const uint8_t *block_codes = qc + b * HIPKV_QUERY_BLOCK;
             int32_t idot[kRows<D>];
             int_query_dots<B, kRows<D>>(
-                key, [&](int r, uint32_t i) { return load4(block_codes + r * D + 4 * i); }, w.n,
+                key, [&](int r, uint32_t i) { return load4(block_codes + r * code_stride + 4 * i); }, w.n,
                 idot);
             float weight = 1.0f;
             if constexpr (kParams<F> == ParamsAt::BlockScale)
                 weight = q8_0_scale(row, b * HIPKV_QUERY_BLOCK);
             for (int r = 0; r < kRows<D>; ++r) {
                 if ((uint32_t)r >= w.n) continue;
-                dot[r] += weight * read_global(qs + r * kBlocks + b) * (float)idot[r];
+                dot[r] += weight * read_global(qs + r * scale_stride + b) * (float)idot[r];
             }
         }
         if constexpr (format_is_tok(F)) {
@@ -368,6 +402,11 @@ HIPKV_DEV void score_token_int(const hipkv_attn_params &p, const StreamView &k, 
         } else {
             for (int r = 0; r < kRows<D>; ++r) s[r] += dot[r];
         }
+    }
+    if constexpr (format_is_chan(F)) {
+        const float *bias = vector_ptr(p.partial_max + w.out);
+        for (int r = 0; r < kRows<D>; ++r)
+            if ((uint32_t)r < w.n) s[r] += read_global(bias + r);
     }
     if constexpr (kParams<F> == ParamsAt::TokenScale) {
         const float scale = load_f16(k.params + 2 * t);
@@ -651,11 +690,14 @@ HIPKV_DEV StreamView block_stream(const uint8_t *block, const hipkv_stream_layou
 // Per-channel keys, `x = m + s·code` per channel of the block: `q·x = (q ∘ s)·code + q·m`.
 // Folds the block's scales into the query rows and its minimums into one term per row, once
 // per block, so scoring decodes bare codes (no parameter loads or FMA per element). Written to
-// the wave's partial outputs (`WaveRows`), which every lane of the wave then reads.
-template <int D>
+// the wave's partial outputs (`WaveRows`), which every lane of the wave then reads: as f32
+// rows, or with `iq` rounded to int8 per HIPKV_QUERY_BLOCK channels (`chan_query_codes`), as
+// `quant::quantize_query` rounds them.
+template <int F, int D>
 HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
                                const uint8_t *params) {
     float *fold = p.partial_acc + w.out * D, *fold_bias = p.partial_max + w.out;
+    const bool rounded = uniform_u32(w.flags) & kIntQueryFlag;
     wave_sync();  // every lane has scored the previous block with the previous fold
     float bias[kRows<D>];
     for (int r = 0; r < kRows<D>; ++r) bias[r] = 0.0f;
@@ -665,7 +707,19 @@ HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
         for (int r = 0; r < kRows<D>; ++r) {
             if ((uint32_t)r >= w.n) continue;
             const float q = read_global(w.q + r * D + c);
-            fold[r * D + c] = q * scale;
+            const float x = q * scale;
+            if (rounded) {
+                // The wave holds one block: channel c is block c / 32's lane c % 32.
+                float block_scale;
+                const uint8_t code = round_query_lane(x, block_scale);
+                chan_query_codes<D>(p, w)[r * kChanCodeStride<D> + int_query_slot(format_bits(F), c)] =
+                    code;
+                if (lane_id() == 0)
+                    chan_query_scales<D>(p, w)[r * kChanScaleStride<D> + c / HIPKV_QUERY_BLOCK] =
+                        block_scale;
+            } else {
+                fold[r * D + c] = x;
+            }
             bias[r] += q * min;
         }
     }
@@ -874,7 +928,7 @@ HIPKV_DEV void attention(const hipkv_attn_params &p) {
         if (g.pre_rope) {
             turn_query_back<D>(p, w, pos0);
         } else if constexpr (format_is_chan(KF)) {
-            if (!k_open) fold_chan_query<D>(p, w, block + g.k.params);
+            if (!k_open) fold_chan_query<KF, D>(p, w, block + g.k.params);
         }
         const bool v_window = pos0 >= window_from;
         attend_block<KF, VF, D>(
@@ -914,10 +968,8 @@ namespace hipkv {
 // `factor`: the f32 row the scores then read.
 HIPKV_DEV float round_query(const hipkv_attn_params &p, size_t row, uint32_t c, float x,
                             float factor) {
-    const float amax = wave_max(fabsf(x));
-    const bool finite = wave_max(fabsf(x) <= __FLT_MAX__ ? 0.0f : 1.0f) == 0.0f;
-    const float scale = finite ? amax / Int8Codes::kMaxCode : __builtin_nanf("");
-    const uint8_t code = Int8Codes::encode(x, scale);
+    float scale;
+    const uint8_t code = round_query_lane(x, scale);
     const size_t d = p.g.head_dim;
     reinterpret_cast<uint8_t *>(p.q_codes)[row * d + int_query_slot(p.int_query, c)] = code;
     const float s = scale * factor;
@@ -940,6 +992,10 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
     const uint32_t d = g.head_dim, gqa = g.gqa, group = g.k.group;
     const uint32_t groups = d / group;
     const float factor = p.softmax_scale * 1.4426950408889634f;
+    // Per-channel keys round each block's folded query instead (`fold_chan_query`). Unrounded
+    // rows are scaled in two products, as the CPU backend scales them, so that both round the
+    // same folded values.
+    const bool round = p.int_query != 0 && !(p.int_query & HIPKV_INT_QUERY_PER_BLOCK);
     const size_t elem_bytes = p.dtype == HIPKV_DTYPE_F32 ? 4 : 2;
     // Rotated keys: the query is rotated the same way, (Hq)·(Hk) = q·k (in f64: formats.h).
     const bool rotate = g.rotate & 1u;
@@ -965,8 +1021,8 @@ HIPKV_KERNEL(hipkv_attn_prep, hipkv_attn_params) {
             for (uint32_t c = gi * group + lane; c < (gi + 1) * group; c += HIPKV_WAVE) {
                 const float in = rotate ? (float)rotated[c] : load(c);
                 // Groups are whole query blocks: the wave holds one block here.
-                const float x = p.int_query != 0 ? hipkv::round_query(p, row, c, in, factor)
-                                                 : in * factor;
+                const float x = round ? hipkv::round_query(p, row, c, in, factor)
+                                      : in * p.softmax_scale * 1.4426950408889634f;
                 p.q_f32[row * d + c] = x;
                 sum += x;
             }
@@ -1120,7 +1176,7 @@ HIPKV_DEV void probe_block(const hipkv_attn_params &args) {
     Acc<D> acc;
     start_rows<D>(st, acc);
     const uint8_t *block = p.cache;
-    if constexpr (format_is_chan(KF)) fold_chan_query<D>(p, w, block + p.g.k.params);
+    if constexpr (format_is_chan(KF)) fold_chan_query<KF, D>(p, w, block + p.g.k.params);
     attend_run<KF, VF, D>(p, block_stream(block, p.g.k), block_stream(block, p.g.v), false, false,
                           0, HIPKV_WAVE, 0, w, st, acc, weights);
     for (int r = 0; r < kRows<D>; ++r) {

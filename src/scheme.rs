@@ -560,8 +560,8 @@ impl Scheme {
         }
         if self.int_query && !self.int_query_applies() {
             return Err(Error::Unsupported(format!(
-                "iq with {} keys{}: integer dot products need uniform per-token integer codes \
-                 (q8, q8_0, q4_tok, q2_tok keys), scored as stored",
+                "iq with {} keys{}: integer dot products need uniform integer codes (q8, \
+                 q8_0, q4_tok, q2_tok, q4_chan, q2_chan keys), scored as stored",
                 self.k,
                 match (self.nuq.applies(Stream::K), self.pre_rope) {
                     (true, _) => " and nuq",
@@ -597,12 +597,22 @@ impl Scheme {
         stored(self) == stored(other)
     }
 
-    /// Whether `iq` can score this scheme's keys: uniform per-token integer codes, scored as
-    /// stored (no codebook, no RoPE applied after decoding).
+    /// Whether `iq` can score this scheme's keys: uniform integer codes, scored as stored (no
+    /// codebook, no RoPE applied after decoding).
     pub fn int_query_applies(&self) -> bool {
-        matches!(self.k, Format::Q8 | Format::Q8_0 | Format::Tok { .. })
-            && !self.nuq.applies(Stream::K)
+        matches!(
+            self.k,
+            Format::Q8 | Format::Q8_0 | Format::Tok { .. } | Format::Chan { .. }
+        ) && !self.nuq.applies(Stream::K)
             && !self.pre_rope
+    }
+
+    /// Whether `iq` rounds the query once per step (8-bit and per-token keys). Per-channel keys
+    /// (`q*_chan`) are scored against the query with each page's channel scales folded in
+    /// (`q ∘ s`), so `iq` rounds that folded query, once per page, and the step's query stays
+    /// f32 (docs/kernels.md, "Integer-query key scores").
+    pub fn rounds_query_per_step(&self) -> bool {
+        self.int_query && !matches!(self.k, Format::Chan { .. })
     }
 
     /// Whether the given stream keeps an outlier store.

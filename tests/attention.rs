@@ -184,7 +184,7 @@ fn integer_query_is_refused_where_it_does_not_apply() {
     for scheme in [
         "f16,iq",
         "fp8,iq",
-        "kivi4,iq",
+        "kivi4,iq,pre_rope",
         "q4_tok,iq,nuq=k",
         "q8,iq,pre_rope",
     ] {

@@ -250,8 +250,8 @@ fn issue_model_predicts_every_attention_kernel(text: &str) {
             .find(|c| c.first() == Some(&name.as_str()))
             .unwrap_or_else(|| panic!("no issue row for {name}:\n{issue}"));
         let x = |i: usize| cells[i].parse::<f64>().unwrap();
-        // Integer-query scores (`iq`) exist for q8, q8_0 and per-token keys.
-        let int_query = ["q8_", "q4_tok_", "q2_tok_"]
+        // Integer-query scores (`iq`) exist for q8, q8_0, per-token and per-channel keys.
+        let int_query = ["q8_", "q4_tok_", "q2_tok_", "q4_chan_", "q2_chan_"]
             .iter()
             .any(|k| name.starts_with(&format!("hipkv_attn_{k}")));
         assert_eq!(cells.len(), if int_query { 18 } else { 17 }, "{cells:?}");
@@ -735,15 +735,18 @@ fn eval_iq_runs_each_applicable_scheme_beside_its_twin() {
         .iter()
         .map(|s| s["scheme"].as_str().unwrap())
         .collect();
-    // `q4_tok` scores keys from the int8 query by default: its exact twin runs first.
-    assert_eq!(names, ["q4_tok,iq=0", "q4_tok", "kivi2"]);
+    // `q4_tok` scores keys from the int8 query by default: its exact twin runs first; `kivi2`
+    // does not, and its `iq` twin runs after it.
+    assert_eq!(names, ["q4_tok,iq=0", "q4_tok", "kivi2", "kivi2,iq"]);
     let kl = |i: usize| report["schemes"][i]["mean_kl"].as_f64().unwrap();
-    assert!(
-        kl(1) > 0.0 && kl(1) != kl(0),
-        "iq twin KL {} vs {}",
-        kl(1),
-        kl(0)
-    );
+    for (exact, rounded) in [(0, 1), (2, 3)] {
+        assert!(
+            kl(rounded) > 0.0 && kl(rounded) != kl(exact),
+            "iq twin KL {} vs {}",
+            kl(rounded),
+            kl(exact)
+        );
+    }
     let text = String::from_utf8(eval("q8", false)).unwrap();
     assert!(text.contains("integer-query key scores"), "{text}");
 }

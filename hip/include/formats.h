@@ -124,9 +124,10 @@ HIPKV_HD constexpr bool format_is_chan(int f) { return f == HIPKV_Q4_CHAN || f =
 // The formats a codebook may apply to: the asymmetric low-bit ones.
 HIPKV_HD constexpr bool format_has_levels(int f) { return format_is_tok(f) || format_is_chan(f); }
 // The key formats integer-query scores apply to (`iq`, hipkv_attn_params::int_query): uniform
-// integer codes with per-token or per-block parameters (`Scheme::int_query_applies`).
+// integer codes with per-token, per-block or (folded into the query) per-channel parameters
+// (`Scheme::int_query_applies`).
 HIPKV_HD constexpr bool format_int_query(int f) {
-    return f == HIPKV_Q8 || f == HIPKV_Q8_0 || format_is_tok(f);
+    return f == HIPKV_Q8 || f == HIPKV_Q8_0 || format_is_tok(f) || format_is_chan(f);
 }
 
 // Where channel c's code goes among a query row's int8 codes (`hipkv_attn_params::q_codes`)

@@ -25,6 +25,10 @@ enum hipkv_format {
 
 // Channels per block of the int8-rounded query (`int_query`), each with its own scale.
 #define HIPKV_QUERY_BLOCK 32
+// `int_query` of per-channel keys (q*_chan), whose scales differ per channel and block: the
+// attention kernel rounds each block's folded query `q ∘ s` (in f32, the rows prep wrote times
+// the block's channel scales) instead, once per block and wave, and prep leaves the query f32.
+#define HIPKV_INT_QUERY_PER_BLOCK 0x100u
 
 // Query heads per KV head the attention kernels handle at most.
 #define HIPKV_MAX_GQA 16
@@ -194,10 +198,11 @@ typedef struct hipkv_attn_params {
     // Sliding window: a query token attends to its own position and the window - 1 before it
     // (the blocks below are not read, so a server may have reused them); 0: to every position.
     uint32_t window;
-    // Key scores from the query rounded to int8 per HIPKV_QUERY_BLOCK channels (`iq`; q8, q8_0
-    // and q*_tok keys only): the bits of a key code (8, 4, 2), which order the query's codes;
+    // Key scores from the query rounded to int8 per HIPKV_QUERY_BLOCK channels (`iq`; q8, q8_0,
+    // q*_tok and q*_chan keys): the bits of a key code (8, 4, 2), which order the query's codes;
     // 0: f32 scores. Prep writes the codes and scales below, and every f32 row it writes is the
-    // rounded query, so the step is exactly the attention of the rounded query.
+    // rounded query, so the step is exactly the attention of the rounded query. For q*_chan
+    // keys, or'ed with HIPKV_INT_QUERY_PER_BLOCK.
     uint32_t int_query;
     const uint8_t *cache;
     const uint8_t *state;

@@ -199,6 +199,25 @@ pub(crate) trait Kernel: Copy {
     /// `p.add(t · stride)` is readable for every `t < 16`.
     unsafe fn wgather(self, p: *const f32, stride: usize) -> Self::W;
 
+    /// One [`QUERY_BLOCK`](crate::quant::QUERY_BLOCK)-channel block of a query, the 32 lanes
+    /// of `x` in order, rounded to int8 as [`crate::quant::quantize_query`] rounds it, to the
+    /// bit: returns the block's scale and its codes as 8 little-endian dwords (code `4j + i`
+    /// in byte `i` of dword `j`). `iq` scores of per-channel keys round each page's folded
+    /// query with it, so the vector forms must not drift from the reference.
+    #[inline(always)]
+    fn round_query_block(self, x: [Self::V; 4]) -> (f32, [i32; 8]) {
+        let mut lanes = [0f32; 32];
+        for (v, out) in x.iter().zip(lanes.chunks_exact_mut(8)) {
+            self.store(*v, out);
+        }
+        let (mut codes, mut scale) = ([0i8; 32], [0f32]);
+        crate::quant::quantize_query(&lanes, &mut codes, &mut scale);
+        let dwords = std::array::from_fn(|j| {
+            i32::from_le_bytes(std::array::from_fn(|i| codes[4 * j + i] as u8))
+        });
+        (scale[0], dwords)
+    }
+
     /// Hints that `bytes` will be read soon. Pages are scattered in the pool and hardware
     /// prefetchers stop at 4 KiB boundaries, so attention fetches the next block ahead.
     #[inline(always)]
@@ -1454,6 +1473,65 @@ mod avx2 {
         }
 
         #[inline(always)]
+        fn round_query_block(self, x: [__m256; 4]) -> (f32, [i32; 8]) {
+            // Loops, not `array::map`: a closure does not take the enclosing function's target
+            // features, and the intrinsics in it would be calls.
+            // SAFETY: see the module note; register-only but for the store into `dwords`,
+            // which holds 32 bytes.
+            unsafe {
+                // Magnitudes compare as their bit patterns, and NaN and ±inf have the largest:
+                // one integer maximum finds both the block's largest magnitude and whether it
+                // holds a NaN or an infinity.
+                let magnitude = _mm256_set1_epi32(i32::MAX);
+                let mut m8 = _mm256_setzero_si256();
+                for v in x {
+                    m8 = _mm256_max_epi32(m8, _mm256_and_si256(_mm256_castps_si256(v), magnitude));
+                }
+                let m4 = _mm_max_epi32(
+                    _mm256_castsi256_si128(m8),
+                    _mm256_extracti128_si256::<1>(m8),
+                );
+                let m2 = _mm_max_epi32(m4, _mm_unpackhi_epi64(m4, m4));
+                let m1 = _mm_max_epi32(m2, _mm_shuffle_epi32::<1>(m2));
+                let bits = _mm_cvtsi128_si32(m1) as u32;
+                if bits >= f32::INFINITY.to_bits() {
+                    // As `(x / NaN).round() as i8` gives: a NaN scale, zero codes.
+                    return (f32::NAN, [0; 8]);
+                }
+                let scale = f32::from_bits(bits) / 127.0;
+                if scale == 0.0 {
+                    return (scale, [0; 8]);
+                }
+                // `round` rounds halves away from zero: `x / s` plus the largest float below
+                // one half, with `x`'s sign, truncated, is that (a tie's sum rounds up to the
+                // next integer, anything less stays below it). `|x / s| < 127.5`, so no code
+                // needs the reference's clamp.
+                let s = _mm256_set1_ps(scale);
+                let sign = _mm256_set1_ps(-0.0);
+                let below_half = _mm256_set1_ps(0.5 - f32::EPSILON / 4.0);
+                let mut codes = [_mm256_setzero_si256(); 4];
+                for (code, v) in codes.iter_mut().zip(x) {
+                    let y = _mm256_div_ps(v, s);
+                    let half = _mm256_or_ps(_mm256_and_ps(y, sign), below_half);
+                    *code = _mm256_cvttps_epi32(_mm256_add_ps(y, half));
+                }
+                // Packing saturates nothing (|code| <= 127) but interleaves the 128-bit lanes:
+                // dwords [a0..4, b0..4, c0..4, d0..4 | a4..8, b4..8, c4..8, d4..8].
+                let bytes = _mm256_packs_epi16(
+                    _mm256_packs_epi32(codes[0], codes[1]),
+                    _mm256_packs_epi32(codes[2], codes[3]),
+                );
+                let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+                let mut dwords = [0i32; 8];
+                _mm256_storeu_si256(
+                    dwords.as_mut_ptr().cast(),
+                    _mm256_permutevar8x32_epi32(bytes, order),
+                );
+                (scale, dwords)
+            }
+        }
+
+        #[inline(always)]
         fn exp2_in_place(self, xs: &mut [f32]) {
             let mut chunks = xs.chunks_exact_mut(8);
             for x8 in &mut chunks {
@@ -2087,6 +2165,103 @@ mod tests {
                 floats: floats.clone(),
             }) {
                 assert_eq!(got, want, "{tier:?}, case {case}");
+            }
+        }
+    }
+
+    /// Rounds every block of `blocks` with [`Kernel::round_query_block`].
+    struct RoundQueryBlocks(Vec<[f32; 32]>);
+    impl KernelFn<Vec<(f32, [i32; 8])>> for RoundQueryBlocks {
+        fn call<K: Kernel>(self, k: K) -> Vec<(f32, [i32; 8])> {
+            self.0
+                .iter()
+                .map(|block| {
+                    // SAFETY: each block holds 32 floats, 8 per load.
+                    let x =
+                        std::array::from_fn(|i| unsafe { k.load_ptr(block.as_ptr().add(8 * i)) });
+                    k.round_query_block(x)
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn every_tier_rounds_a_query_block_as_the_reference() {
+        // Exact halves (a largest magnitude of 127 makes the scale 1), values a float below
+        // and above them, zeros of both signs, a constant block, a NaN, infinities, the
+        // largest finite values, subnormals and spread magnitudes.
+        let mut blocks: Vec<[f32; 32]> = Vec::new();
+        let mut halves = [0f32; 32];
+        halves[0] = 127.0;
+        for (i, x) in halves.iter_mut().enumerate().skip(1) {
+            let h = (i as f32 - 16.0) * 4.0 + 0.5;
+            *x = match i % 3 {
+                0 => h,
+                1 => f32::from_bits(h.to_bits() - 1),
+                _ => f32::from_bits(h.to_bits() + 1),
+            };
+        }
+        blocks.push(halves);
+        blocks.push(halves.map(|x| -x));
+        // Every half-integer below 127 and the 3 floats on either side of it, both signs,
+        // beside a 127 that makes the scale 1.
+        let near_halves: Vec<f32> = (0..127)
+            .flat_map(|k| {
+                let h = (k as f32 + 0.5).to_bits();
+                (h - 3..=h + 3).map(f32::from_bits)
+            })
+            .flat_map(|x| [x, -x])
+            .collect();
+        for chunk in near_halves.chunks(31) {
+            let mut b = [127.0; 32];
+            b[1..=chunk.len()].copy_from_slice(chunk);
+            blocks.push(b);
+        }
+        blocks.push([0.0; 32]);
+        blocks.push(std::array::from_fn(|i| if i % 2 == 0 { -0.0 } else { 0.0 }));
+        blocks.push([3.25; 32]);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut b = halves;
+            b[7] = bad;
+            blocks.push(b);
+        }
+        blocks.push(std::array::from_fn(|i| {
+            if i % 2 == 0 {
+                f32::MAX
+            } else {
+                -f32::MAX / 3.0
+            }
+        }));
+        blocks.push(std::array::from_fn(|i| f32::from_bits(1 + i as u32 * 977)));
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..2000 {
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            };
+            let spread = 10f32.powf(next() * 12.0);
+            blocks.push(std::array::from_fn(|_| next() * spread));
+        }
+        let want: Vec<(f32, [i32; 8])> = blocks
+            .iter()
+            .map(|block| {
+                let (mut codes, mut scale) = ([0i8; 32], [0f32]);
+                crate::quant::quantize_query(block, &mut codes, &mut scale);
+                let dwords = std::array::from_fn(|j| {
+                    i32::from_le_bytes(std::array::from_fn(|i| codes[4 * j + i] as u8))
+                });
+                (scale[0], dwords)
+            })
+            .collect();
+        for (tier, got) in on_every_tier(|| RoundQueryBlocks(blocks.clone())) {
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same_scale = g.0.to_bits() == w.0.to_bits() || (g.0.is_nan() && w.0.is_nan());
+                assert!(
+                    same_scale && g.1 == w.1,
+                    "{tier:?}, block {i}: {g:?} vs {w:?}"
+                );
             }
         }
     }

@@ -216,7 +216,8 @@ impl Layout {
         let acc = take(rows * d * 4);
         let max = take(rows * 4);
         let sum = take(rows * 4);
-        let int_query = self.spec.scheme.int_query.then(|| {
+        // Per-channel keys round each block's folded query in the partial outputs instead.
+        let int_query = self.spec.scheme.rounds_query_per_step().then(|| {
             let codes = take(tokens * q_heads * d);
             let scales = take(tokens * q_heads * d / QUERY_BLOCK * 4);
             (codes, scales)

@@ -30,8 +30,8 @@ mod layout;
 mod plan;
 
 use crate::abi::{
-    HIPKV_DTYPE_BF16, HIPKV_DTYPE_F16, HIPKV_DTYPE_F32, hipkv_attn_params, hipkv_copy_params,
-    hipkv_device_error, hipkv_write_params,
+    HIPKV_DTYPE_BF16, HIPKV_DTYPE_F16, HIPKV_DTYPE_F32, HIPKV_INT_QUERY_PER_BLOCK,
+    hipkv_attn_params, hipkv_copy_params, hipkv_device_error, hipkv_write_params,
 };
 use crate::backend::{Backend, Engine, GFX1201_COMPUTE_UNITS, cpu, device, open_engine};
 use crate::calibration::Calibration;
@@ -661,10 +661,10 @@ impl PagedCache {
             slot_state_bytes,
             softmax_scale: batch.softmax_scale,
             window: window.map_or(0, u),
-            int_query: if spec.scheme.int_query {
-                u(spec.scheme.k.nominal_bits())
-            } else {
-                0
+            int_query: match (spec.scheme.int_query, spec.scheme.rounds_query_per_step()) {
+                (false, _) => 0,
+                (true, true) => u(spec.scheme.k.nominal_bits()),
+                (true, false) => u(spec.scheme.k.nominal_bits()) | HIPKV_INT_QUERY_PER_BLOCK,
             },
             cache: std::ptr::null(),
             state: self.state.addr() as *const u8,

@@ -136,11 +136,78 @@ pub fn naive_attend_with(
             }
         }
     }
-    if int_query {
+    let mut offsets = None;
+    if int_query && c.scheme.rounds_query_per_step() {
         q = rounded_query(&q, &c.scheme, d);
+    } else if int_query {
+        offsets = Some(chan_int_offsets(cache, seq, &q, scale));
     }
     let window = cache.sliding_window(0).unwrap();
-    naive_chunk(&k, &v, &q, len, c.kv_heads, c.q_heads, d, scale, window)
+    naive_chunk_offset(
+        &k,
+        &v,
+        &q,
+        len,
+        c.kv_heads,
+        c.q_heads,
+        d,
+        scale,
+        window,
+        offsets.as_deref(),
+    )
+}
+
+/// What `iq` adds to each logit of per-channel keys (`q*_chan`), `q_len × q_heads × len`: on a
+/// closed page (past the sinks), `iq` scores `Σ_b S_b (ĉ_b · codes_b) + q·m` in log2 units,
+/// `ĉ_b` and `S_b` the int8 codes and scale (`quant::quantize_query`) of block `b` of the
+/// folded query `q ∘ s` (f32, `q` the query times `scale · log2 e` as the backends scale it)
+/// and `codes_b` the key's; the exact logit is `scale · q · (m + s·codes)`. Read from the
+/// stored pages, so it is independent of how the backends compute it. `q` is rotated.
+fn chan_int_offsets(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f64> {
+    let c = *cache.config();
+    let (d, len) = (c.head_dim, cache.len(0, seq).unwrap());
+    let hipkv::Format::Chan { bits } = c.scheme.k else {
+        panic!("per-channel keys, not {}", c.scheme.k)
+    };
+    let layout = cache.layout();
+    let (g, sl) = (layout.block_tokens(), layout.head_layout().k);
+    let head_bytes = layout.head_layout().bytes;
+    let stored = cache.stored_bytes(0, seq).unwrap();
+    let width = c.q_heads * d;
+    let q_len = q.len() / width;
+    let gqa = c.q_heads / c.kv_heads;
+    // As the backends scale the query: `(q · scale) · log2 e` in f32.
+    let scaled = |x: f32| x * scale * std::f32::consts::LOG2_E;
+    let block = hipkv::quant::QUERY_BLOCK;
+    let mut out = vec![0f64; q_len * c.q_heads * len];
+    for page in 0..len / g {
+        let bytes = &stored[page * layout.block_bytes()..][..layout.block_bytes()];
+        for qh in 0..c.q_heads {
+            let head = &bytes[qh / gqa * head_bytes..][..head_bytes];
+            let param =
+                |ch: usize, i: usize| hipkv::quant::get_f16(head, sl.params + 4 * ch + 2 * i);
+            for t in 0..q_len {
+                let row = &q[t * width + qh * d..][..d];
+                let folded: Vec<f32> = (0..d).map(|ch| scaled(row[ch]) * param(ch, 0)).collect();
+                let (mut codes, mut scales) = (vec![0i8; d], vec![0f32; d / block]);
+                hipkv::quant::quantize_query(&folded, &mut codes, &mut scales);
+                for p in (page * g).max(c.scheme.sinks)..(page + 1) * g {
+                    let key = &head[sl.rows + (p - page * g) * sl.row_bytes..][..sl.row_bytes];
+                    let (mut int, mut exact) = (0f64, 0f64);
+                    for ch in 0..d {
+                        let code = f64::from(hipkv::quant::code_at(key, bits, ch));
+                        let (s, m) = (f64::from(param(ch, 0)), f64::from(param(ch, 1)));
+                        int += f64::from(scales[ch / block]) * f64::from(codes[ch]) * code;
+                        int += f64::from(scaled(row[ch])) * m;
+                        exact += f64::from(row[ch]) * (m + s * code);
+                    }
+                    let at = (t * c.q_heads + qh) * len + p;
+                    out[at] = int * std::f64::consts::LN_2 - f64::from(scale) * exact;
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Causal attention, in f64, of a query chunk `q` (`q_len × q_heads × head_dim`, rotated: the
@@ -159,6 +226,23 @@ pub fn naive_chunk(
     scale: f32,
     window: Option<usize>,
 ) -> Vec<f32> {
+    naive_chunk_offset(k, v, q, len, kv_heads, q_heads, d, scale, window, None)
+}
+
+/// [`naive_chunk`] with `offsets[(t · q_heads + head) · len + position]` added to each logit.
+#[allow(clippy::too_many_arguments)]
+pub fn naive_chunk_offset(
+    k: &[f32],
+    v: &[f32],
+    q: &[f32],
+    len: usize,
+    kv_heads: usize,
+    q_heads: usize,
+    d: usize,
+    scale: f32,
+    window: Option<usize>,
+    offsets: Option<&[f64]>,
+) -> Vec<f32> {
     let (h, r) = (kv_heads, q_heads / kv_heads);
     let width = q_heads * d;
     let q_len = q.len() / width;
@@ -172,11 +256,13 @@ pub fn naive_chunk(
             let logits: Vec<f64> = (first..=pos)
                 .map(|p| {
                     let kv = &k[(p * h + kh) * d..][..d];
+                    let offset = offsets.map_or(0.0, |o| o[(t * q_heads + qh) * len + p]);
                     f64::from(scale)
                         * qv.iter()
                             .zip(kv)
                             .map(|(a, b)| f64::from(*a) * f64::from(*b))
                             .sum::<f64>()
+                        + offset
                 })
                 .collect();
             let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -331,6 +417,9 @@ pub fn check_integer_query(backend: Backend) {
         "k=q2_tok@head,v=f16,iq,sinks=3",
         "q4_tok,iq,outliers=kv",
         "k=q8,v=q4_tok,iq,rot",
+        "kivi4,iq",
+        "kivi2,iq,outliers",
+        "k=q4_chan,v=q8,g=64,iq,sinks=0",
     ]
     .iter()
     .enumerate()

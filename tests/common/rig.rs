@@ -409,6 +409,13 @@ pub fn step_windowed(
             .unwrap();
         let at = starts[i] as usize * row;
         let mut q = q[at..at + n * row].to_vec();
+        // `iq` per-channel keys round each page's folded query, which this reference over the
+        // dequantized rows does not (tests/common/mod.rs, `naive_attend` does).
+        assert!(
+            !spec.scheme.int_query || spec.scheme.rounds_query_per_step(),
+            "{}: iq with per-channel keys",
+            spec.scheme
+        );
         if spec.scheme.int_query {
             q = rounded_query(&q, &spec.scheme, d);
         }

@@ -11,10 +11,18 @@
 //! row multiplies sixteen tokens' codes by the same four query bytes, so that each score ends
 //! in its token's lane; the weights (the tokens' group scales) are one vector per block.
 //!
+//! Per-channel keys (`q*_chan`) have no per-token scale: each page's channel scales are folded
+//! into the query (`q ∘ s`, [`super::loops::fold_chan_page`]), and it is that folded query
+//! which is rounded, once per page and row ([`ChanQuery`]), and dotted with the bare codes in
+//! the same token-lane loop, weighted by its block scales alone; the minimums stay an f32 bias
+//! per row and page.
+//!
 //! What is computed is exactly `q̂ · k̂`, the dequantized key against the dequantized query
 //! `q̂ = s·c` (the minimum term of the asymmetric formats included), up to f32 summation order;
 //! the work item's f32 rows are `q̂` too (sinks, open pages, outlier corrections), so the whole
-//! step is the attention of `q̂`.
+//! step is the attention of `q̂`. For per-channel keys it is `Σ_b S_b (ĉ_b · codes_b) + q · m`
+//! per page, `ĉ_b` and `S_b` the int8 codes and scale of block `b` of the page's `q ∘ s`; the
+//! step's f32 rows stay exact.
 
 use crate::quant::QUERY_BLOCK;
 use crate::scheme::{Format, LowBits, Q8_0_BLOCK_BYTES};
@@ -101,6 +109,106 @@ impl<'a> KeyOrderQuery<'a> {
             group_sums,
             groups,
         }
+    }
+}
+
+impl KeyOrderQuery<'_> {
+    fn lanes(&self) -> LaneQuery<'_> {
+        LaneQuery {
+            dwords: &self.dwords,
+            scales: self.scales,
+            group_sums: &self.group_sums,
+        }
+    }
+}
+
+/// What the token-lane loop reads of an int8 query: per row and 32-channel block, the query
+/// bytes of the block's 8 `dot4`s (see [`lane_channel`]) and the block's scale, and per row and
+/// key group the dequantized query's sum (per-token keys only).
+#[derive(Clone, Copy)]
+struct LaneQuery<'a> {
+    dwords: &'a [i32],
+    scales: &'a [f32],
+    group_sums: &'a [f32],
+}
+
+/// The rows of one page's folded query `q ∘ s` (per-channel keys, in the codes' order) rounded
+/// to int8 per 32-channel block for the token-lane loop: scratch space that each page refills.
+#[derive(Default)]
+pub(super) struct ChanQuery {
+    dwords: Vec<i32>,
+    scales: Vec<f32>,
+}
+
+impl ChanQuery {
+    /// Rounds `folded` (rows of `d` in the [`Order`] of `bits`-bit codes, as
+    /// `fold_chan_page` writes them) block by block, as `quant::quantize_query` rounds the same
+    /// rows in channel order: a block's channels are the same set in either order.
+    #[inline(always)]
+    pub(super) fn round<K: Kernel>(&mut self, k: K, bits: LowBits, folded: &[f32], d: usize) {
+        assert!(d.is_multiple_of(QUERY_BLOCK) && folded.len().is_multiple_of(d));
+        let blocks = folded.len() / QUERY_BLOCK;
+        self.dwords.resize(8 * blocks, 0);
+        self.scales.resize(blocks, 0.0);
+        // The vectors of a block in the `dot4` order of `lane_channel`: 4-bit codes' order
+        // holds each 16 channels' even ones, then their odd ones, and the dots want the
+        // block's 16 even channels, then its 16 odd ones; 2-bit codes' order is the dots'.
+        let vectors = match bits {
+            LowBits::Four => [0, 2, 1, 3],
+            LowBits::Two => [0, 1, 2, 3],
+        };
+        for b in 0..blocks {
+            // A loop, not `array::map`, whose closure would not take the kernel's target
+            // features.
+            let mut x = [k.splat(0.0); 4];
+            for (x, v) in x.iter_mut().zip(vectors) {
+                // SAFETY: block `b < blocks` holds 32 floats of `folded`, 8 per load.
+                *x = unsafe { k.load_ptr(folded.as_ptr().add(QUERY_BLOCK * b + 8 * v)) };
+            }
+            let (scale, dwords) = k.round_query_block(x);
+            self.scales[b] = scale;
+            self.dwords[8 * b..8 * b + 8].copy_from_slice(&dwords);
+        }
+    }
+
+    fn lanes(&self) -> LaneQuery<'_> {
+        LaneQuery {
+            dwords: &self.dwords,
+            scales: &self.scales,
+            group_sums: &[],
+        }
+    }
+}
+
+/// `scores[r][t] = Σ_b S_b (ĉ_b · codes_b[t])` for the `n` keys of per-channel page `s` and
+/// every row of the page's rounded folded query `q` (the rows' biases `q · m` are the
+/// caller's).
+#[inline(always)]
+pub(super) fn chan_int_score_block<K: Kernel>(
+    k: K,
+    s: &StreamBlock<'_>,
+    n: usize,
+    q: &ChanQuery,
+    scores: &mut [f32],
+    g: usize,
+    prefetch: &mut Prefetch<'_>,
+) {
+    let Format::Chan { bits } = s.format else {
+        unreachable!("per-channel keys, not {}", s.format)
+    };
+    assert!(s.book.is_none() && s.row_bytes == s.format.row_bytes(s.head_dim));
+    let keys = TokLanes {
+        rows: &s.rows[..n * s.row_bytes],
+        row_bytes: s.row_bytes,
+        n,
+        params: &[],
+        groups: 0,
+        blocks_shift: 0,
+    };
+    let q = q.lanes();
+    match bits {
+        LowBits::Four => run_lanes::<K, 4, false>(k, &keys, s.head_dim, q, scores, g, prefetch),
+        LowBits::Two => run_lanes::<K, 2, false>(k, &keys, s.head_dim, q, scores, g, prefetch),
     }
 }
 
@@ -218,9 +326,10 @@ pub(super) fn int_score_block<K: Kernel>(
                 groups: q.groups,
                 blocks_shift: (group / QUERY_BLOCK).trailing_zeros(),
             };
+            let q = q.lanes();
             match bits {
-                LowBits::Four => run_lanes::<K, 4>(k, &keys, d, q, scores, g, prefetch),
-                LowBits::Two => run_lanes::<K, 2>(k, &keys, d, q, scores, g, prefetch),
+                LowBits::Four => run_lanes::<K, 4, true>(k, &keys, d, q, scores, g, prefetch),
+                LowBits::Two => run_lanes::<K, 2, true>(k, &keys, d, q, scores, g, prefetch),
             }
         }
         f => unreachable!("iq schemes are validated to have integer keys, not {f}"),
@@ -362,39 +471,44 @@ const LANES: usize = 16;
 /// The widest packed row of a `q*_tok` key: 4-bit codes at head_dim 256.
 const MAX_TOK_ROW: usize = 128;
 
-/// `q*_tok` keys for the token-lane loop.
+/// 4- and 2-bit keys for the token-lane loop: `q*_tok` keys with their parameters, or the bare
+/// codes of a `q*_chan` page (no parameters, no groups).
 struct TokLanes<'a> {
     /// `n` packed rows of `row_bytes`.
     rows: &'a [u8],
     row_bytes: usize,
     n: usize,
-    /// `(scale, min)` per token and group, for `n` rounded up to a multiple of [`LANES`].
+    /// `(scale, min)` per token and group, for `n` rounded up to a multiple of [`LANES`]
+    /// (`q*_tok` keys).
     params: &'a [f32],
     groups: usize,
     /// log2 of the query blocks per group.
     blocks_shift: u32,
 }
 
-/// The token-lane loop of [`int_score_block`] for `BITS`-bit keys, a function of its own per
+/// The token-lane loop of [`int_score_block`] for `BITS`-bit keys (with per-token parameters
+/// where `TOKEN_PARAMS`, else the bare codes of a per-channel page), a function of its own per
 /// width and head_dim.
 #[inline(always)]
-fn run_lanes<K: Kernel, const BITS: usize>(
+fn run_lanes<K: Kernel, const BITS: usize, const TOKEN_PARAMS: bool>(
     k: K,
     keys: &TokLanes<'_>,
     d: usize,
-    q: &KeyOrderQuery<'_>,
+    q: LaneQuery<'_>,
     scores: &mut [f32],
     g: usize,
     prefetch: &mut Prefetch<'_>,
 ) {
-    struct Loop<'s, 'p, const BITS: usize, const D: usize> {
+    struct Loop<'s, 'p, const BITS: usize, const D: usize, const TOKEN_PARAMS: bool> {
         keys: &'s TokLanes<'s>,
-        q: &'s KeyOrderQuery<'s>,
+        q: LaneQuery<'s>,
         scores: &'s mut [f32],
         g: usize,
         prefetch: &'s mut Prefetch<'p>,
     }
-    impl<const BITS: usize, const D: usize> KernelFn<()> for Loop<'_, '_, BITS, D> {
+    impl<const BITS: usize, const D: usize, const TOKEN_PARAMS: bool> KernelFn<()>
+        for Loop<'_, '_, BITS, D, TOKEN_PARAMS>
+    {
         #[inline(always)]
         fn call<K: Kernel>(self, k: K) {
             let (keys, q) = (self.keys, self.q);
@@ -421,7 +535,13 @@ fn run_lanes<K: Kernel, const BITS: usize>(
                     rest.fill(0);
                     &padded[..LANES * keys.row_bytes]
                 };
-                super::loops::for_row_groups!(rows, |r0, QR| lane_scores::<K, BITS, D, QR>(
+                super::loops::for_row_groups!(rows, |r0, QR| lane_scores::<
+                    K,
+                    BITS,
+                    D,
+                    QR,
+                    TOKEN_PARAMS,
+                >(
                     k,
                     keys,
                     runs,
@@ -434,7 +554,7 @@ fn run_lanes<K: Kernel, const BITS: usize>(
             }
         }
     }
-    super::loops::with_head_dim!(d, |D| k.run(Loop::<BITS, D> {
+    super::loops::with_head_dim!(d, |D| k.run(Loop::<BITS, D, TOKEN_PARAMS> {
         keys,
         q,
         scores,
@@ -444,15 +564,22 @@ fn run_lanes<K: Kernel, const BITS: usize>(
 }
 
 /// `scores[r][t0 + t] = q̂[r] · key[t0 + t]` for `QR` query rows from `r0` and the 16 tokens
-/// whose packed rows are `runs` (past `n`, zero codes, whose scores are not stored).
+/// whose packed rows are `runs` (past `n`, zero codes, whose scores are not stored); without
+/// `TOKEN_PARAMS`, the blocks' integer dots weighted by the query's block scales alone.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn lane_scores<K: Kernel, const BITS: usize, const D: usize, const QR: usize>(
+fn lane_scores<
+    K: Kernel,
+    const BITS: usize,
+    const D: usize,
+    const QR: usize,
+    const TOKEN_PARAMS: bool,
+>(
     k: K,
     keys: &TokLanes<'_>,
     runs: &[u8],
     t0: usize,
-    q: &KeyOrderQuery<'_>,
+    q: LaneQuery<'_>,
     r0: usize,
     scores: &mut [f32],
     g: usize,
@@ -477,9 +604,14 @@ fn lane_scores<K: Kernel, const BITS: usize, const D: usize, const QR: usize>(
                 k.byte_field(words[BITS * u + word], (BITS * field) as u32, mask)
             });
             let group = b >> keys.blocks_shift;
-            // SAFETY: tokens `t0 .. t0 + 16` have `stride` parameters each (checked above).
-            let key_scale =
-                unsafe { k.wgather(keys.params.as_ptr().add(stride * t0 + 2 * group), stride) };
+            let key_scale = if TOKEN_PARAMS {
+                // SAFETY: tokens `t0 .. t0 + 16` have `stride` parameters each (checked above).
+                Some(unsafe {
+                    k.wgather(keys.params.as_ptr().add(stride * t0 + 2 * group), stride)
+                })
+            } else {
+                None
+            };
             for (j, score) in score.iter_mut().enumerate() {
                 let row = (r0 + j) * blocks + b;
                 let mut acc = k.izero();
@@ -488,7 +620,8 @@ fn lane_scores<K: Kernel, const BITS: usize, const D: usize, const QR: usize>(
                     acc = k.dot4(acc, field, unsafe { *q.dwords.get_unchecked(8 * row + m) });
                 }
                 // SAFETY: `row < (r0 + QR) · blocks` (checked above).
-                let weight = k.wmul(key_scale, k.wsplat(unsafe { *q.scales.get_unchecked(row) }));
+                let weight = k.wsplat(unsafe { *q.scales.get_unchecked(row) });
+                let weight = key_scale.map_or(weight, |key| k.wmul(key, weight));
                 *score = k.wfmadd(k.i_to_f32(acc), weight, *score);
             }
         }

@@ -7,7 +7,7 @@ use crate::scheme::{Format, LowBits, Q8_0_BLOCK};
 
 use super::super::simd::{Kernel, KernelFn};
 use super::decode::*;
-use super::intq::{KeyOrderQuery, int_score_block};
+use super::intq::{ChanQuery, KeyOrderQuery, chan_int_score_block, int_score_block};
 use super::view::{Block, CacheView, StreamBlock};
 use super::{HeadQueries, Partial};
 
@@ -87,6 +87,9 @@ pub(super) fn run_item<K: Kernel>(
     // and open pages are scored against the rows, which then hold the same rounded query).
     let k_format = view.layout.head_layout().k.format;
     let int_query = hq.int.as_ref().map(|q| KeyOrderQuery::new(q, k_format, d));
+    // `iq` with per-channel keys rounds each page's folded query instead.
+    let chan_int = view.layout.scheme().int_query && matches!(k_format, Format::Chan { .. });
+    let mut chan_query = ChanQuery::default();
     let g = blocks.iter().map(|b| b.tokens).max().unwrap_or(0);
     let mut scores = vec![0f32; rows * g];
     let mut params = Vec::new();
@@ -178,16 +181,35 @@ pub(super) fn run_item<K: Kernel>(
             // minimums into one bias per row, and score the bare codes (the order a constant
             // in each arm, so the fold's chunk loops unroll).
             let (pairs, q) = (block.k.params, &queries);
+            match bits {
+                LowBits::Four => {
+                    fold_chan_page(k, Order::Nibbles, pairs, q, d, &mut folded, &mut bias)
+                }
+                LowBits::Two => {
+                    fold_chan_page(k, Order::Crumbs, pairs, q, d, &mut folded, &mut bias)
+                }
+            }
             let packed = Packed::new(block.k.rows, block.k.row_bytes, n);
             let book = block.k.book;
             match bits {
+                // `iq`: the folded query rounded to int8, the codes dotted in integers.
+                _ if chan_int => {
+                    chan_query.round(k, bits, &folded, d);
+                    chan_int_score_block(
+                        k,
+                        &block.k,
+                        n,
+                        &chan_query,
+                        &mut scores,
+                        g,
+                        &mut prefetch_k,
+                    );
+                }
                 LowBits::Four => {
-                    fold_chan_page(k, Order::Nibbles, pairs, q, d, &mut folded, &mut bias);
                     let codes = ChanCodes::<4> { packed, book };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                 }
                 LowBits::Two => {
-                    fold_chan_page(k, Order::Crumbs, pairs, q, d, &mut folded, &mut bias);
                     let codes = ChanCodes::<2> { packed, book };
                     score_block(k, &codes, n, d, &folded, &mut scores, g, &mut prefetch_k);
                 }

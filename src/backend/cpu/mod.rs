@@ -171,7 +171,8 @@ fn prepare_queries(
     let spec = view.layout.spec();
     let (d, r) = (spec.head_dim, view.layout.gqa());
     let width = spec.q_heads * d;
-    let int_query = view.layout.scheme().int_query;
+    // Per-channel keys round each page's folded query instead (`loops::run_item`).
+    let int_query = view.layout.scheme().rounds_query_per_step();
     queries
         .iter()
         .zip(seqs)
