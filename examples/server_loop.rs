@@ -5,6 +5,9 @@
 //! cargo run --release --example server_loop -- [cpu|emu|hip] [STEPS] [SCHEME]
 //! ```
 //!
+//! SCHEME (default `kivi2,iq=0`) must score keys exactly (`iq=0` where `iq` is the default):
+//! the reference below is the naive attention of the stored rows.
+//!
 //! 64 sequence slots, 2 layers. Requests arrive and finish at random; prompts of random length
 //! are prefilled in chunks beside other sequences' decodes, within a token budget per step;
 //! some requests fork from a running one (sharing its full blocks, copy-on-write of its partial
@@ -162,6 +165,15 @@ fn le<T: Copy, const N: usize>(xs: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
 
 /// Runs the loop; an error (or an output off the reference) ends it.
 pub fn run(setup: &Setup) -> Result<Summary, String> {
+    if setup.scheme.int_query {
+        // The reference below scores the stored keys exactly; tests/attention.rs and the paged
+        // rig hold `iq` to its own reference.
+        return Err(format!(
+            "{}: keys scored from the int8 query (iq); this loop's reference needs exact \
+             scores (add iq=0)",
+            setup.scheme
+        ));
+    }
     let layout = Layout::new(LayoutSpec {
         scheme: setup.scheme,
         kv_heads: KV_HEADS,
@@ -521,7 +533,7 @@ fn main() {
     };
     let steps = arg(2).map_or(300, |s| s.parse().expect("STEPS is a count"));
     let scheme = arg(3)
-        .unwrap_or_else(|| "kivi2,sinks=4".into())
+        .unwrap_or_else(|| "kivi2,iq=0".into())
         .parse()
         .unwrap_or_else(|e| panic!("SCHEME: {e}"));
     let setup = Setup {

@@ -162,28 +162,43 @@ pub fn naive_attend_with(
 /// `ĉ_b` and `S_b` the int8 codes and scale (`quant::quantize_query`) of block `b` of the
 /// folded query `q ∘ s` (f32, `q` the query times `scale · log2 e` as the backends scale it)
 /// and `codes_b` the key's; the exact logit is `scale · q · (m + s·codes)`. Read from the
-/// stored pages, so it is independent of how the backends compute it. `q` is rotated.
+/// stored pages of layer 0, so it is independent of how the backends compute it. `q` is
+/// rotated.
 fn chan_int_offsets(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f64> {
-    let c = *cache.config();
-    let (d, len) = (c.head_dim, cache.len(0, seq).unwrap());
-    let hipkv::Format::Chan { bits } = c.scheme.k else {
-        panic!("per-channel keys, not {}", c.scheme.k)
+    let c = cache.config();
+    let len = cache.len(0, seq).unwrap();
+    let stored = cache.stored_bytes(0, seq).unwrap();
+    let bytes = cache.layout().block_bytes();
+    let page = |p: usize| &stored[p * bytes..(p + 1) * bytes];
+    paged_chan_int_offsets(cache.layout(), page, len, c.q_heads, q, scale)
+}
+
+/// [`chan_int_offsets`] of a paged sequence of `len` tokens whose page `p` is `page(p)`.
+pub fn paged_chan_int_offsets<'a>(
+    layout: &hipkv::paged::Layout,
+    page: impl Fn(usize) -> &'a [u8],
+    len: usize,
+    q_heads: usize,
+    q: &[f32],
+    scale: f32,
+) -> Vec<f64> {
+    let scheme = layout.scheme();
+    let d = layout.head_dim();
+    let hipkv::Format::Chan { bits } = scheme.k else {
+        panic!("per-channel keys, not {}", scheme.k)
     };
-    let layout = cache.layout();
     let (g, sl) = (layout.block_tokens(), layout.head_layout().k);
     let head_bytes = layout.head_layout().bytes;
-    let stored = cache.stored_bytes(0, seq).unwrap();
-    let width = c.q_heads * d;
+    let width = q_heads * d;
     let q_len = q.len() / width;
-    let gqa = c.q_heads / c.kv_heads;
+    let gqa = layout.gqa();
     // As the backends scale the query: `(q · scale) · log2 e` in f32.
     let scaled = |x: f32| x * scale * std::f32::consts::LOG2_E;
     let block = hipkv::quant::QUERY_BLOCK;
-    let mut out = vec![0f64; q_len * c.q_heads * len];
-    for page in 0..len / g {
-        let bytes = &stored[page * layout.block_bytes()..][..layout.block_bytes()];
-        for qh in 0..c.q_heads {
-            let head = &bytes[qh / gqa * head_bytes..][..head_bytes];
+    let mut out = vec![0f64; q_len * q_heads * len];
+    for p in 0..len / g {
+        for qh in 0..q_heads {
+            let head = &page(p)[qh / gqa * head_bytes..][..head_bytes];
             let param =
                 |ch: usize, i: usize| hipkv::quant::get_f16(head, sl.params + 4 * ch + 2 * i);
             for t in 0..q_len {
@@ -191,8 +206,8 @@ fn chan_int_offsets(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f
                 let folded: Vec<f32> = (0..d).map(|ch| scaled(row[ch]) * param(ch, 0)).collect();
                 let (mut codes, mut scales) = (vec![0i8; d], vec![0f32; d / block]);
                 hipkv::quant::quantize_query(&folded, &mut codes, &mut scales);
-                for p in (page * g).max(c.scheme.sinks)..(page + 1) * g {
-                    let key = &head[sl.rows + (p - page * g) * sl.row_bytes..][..sl.row_bytes];
+                for pos in (p * g).max(scheme.sinks)..(p + 1) * g {
+                    let key = &head[sl.rows + (pos - p * g) * sl.row_bytes..][..sl.row_bytes];
                     let (mut int, mut exact) = (0f64, 0f64);
                     for ch in 0..d {
                         let code = f64::from(hipkv::quant::code_at(key, bits, ch));
@@ -201,7 +216,7 @@ fn chan_int_offsets(cache: &KvCache, seq: usize, q: &[f32], scale: f32) -> Vec<f
                         int += f64::from(scaled(row[ch])) * m;
                         exact += f64::from(row[ch]) * (m + s * code);
                     }
-                    let at = (t * c.q_heads + qh) * len + p;
+                    let at = (t * q_heads + qh) * len + pos;
                     out[at] = int * std::f64::consts::LN_2 - f64::from(scale) * exact;
                 }
             }

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use hipkv::Backend;
 use hipkv::synth::Rng;
 
-use super::{assert_outputs_close, naive_chunk, rounded_query};
+use super::{assert_outputs_close, naive_chunk_offset, paged_chan_int_offsets, rounded_query};
 use hipkv::hip::StreamHandle;
 use hipkv::paged::{
     BatchLimits, DType, DeviceMemory, KvBatch, Layout, PagedCache, QueryBatch, Workspace,
@@ -401,6 +401,11 @@ pub fn step_windowed(
     }
     let q = through(&q, dtype);
     let row = spec.q_heads * d;
+    // The layer's bytes, for the references of `iq` per-channel keys.
+    let mut host = vec![0u8; rig.layout().cache_bytes()];
+    rig.paged
+        .download(&rig.caches[0], 0, &mut host, StreamHandle::DEFAULT)
+        .unwrap();
     for (i, &(s, n)) in chunks.iter().enumerate() {
         let (slot, blocks, len) = &server.seqs[s];
         let (rk, rv) = rig
@@ -409,17 +414,38 @@ pub fn step_windowed(
             .unwrap();
         let at = starts[i] as usize * row;
         let mut q = q[at..at + n * row].to_vec();
-        // `iq` per-channel keys round each page's folded query, which this reference over the
-        // dequantized rows does not (tests/common/mod.rs, `naive_attend` does).
-        assert!(
-            !spec.scheme.int_query || spec.scheme.rounds_query_per_step(),
-            "{}: iq with per-channel keys",
-            spec.scheme
-        );
-        if spec.scheme.int_query {
+        let mut offsets = None;
+        if spec.scheme.rounds_query_per_step() {
             q = rounded_query(&q, &spec.scheme, d);
+        } else if spec.scheme.int_query {
+            // Per-channel keys: each page's folded query rounded, from the stored pages.
+            let bytes = rig.layout().block_bytes();
+            let page = |p: usize| {
+                let block = blocks[p] as usize;
+                &host[block * bytes..(block + 1) * bytes]
+            };
+            let q_heads = spec.q_heads;
+            offsets = Some(paged_chan_int_offsets(
+                rig.layout(),
+                page,
+                *len,
+                q_heads,
+                &q,
+                scale,
+            ));
         }
-        let want = naive_chunk(&rk, &rv, &q, *len, h, spec.q_heads, d, scale, window);
+        let want = naive_chunk_offset(
+            &rk,
+            &rv,
+            &q,
+            *len,
+            h,
+            spec.q_heads,
+            d,
+            scale,
+            window,
+            offsets.as_deref(),
+        );
         assert_outputs_close(
             &spec.scheme,
             &out[at..at + n * row],
