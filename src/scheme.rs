@@ -442,8 +442,8 @@ impl Scheme {
             "fp8" => Scheme::uniform(Format::Fp8),
             "q4_tok" => Scheme::uniform(tok(LowBits::Four)).per_token_preset(),
             "q2_tok" => Scheme::uniform(tok(LowBits::Two)).per_token_preset(),
-            "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)).kivi_preset(),
-            "kivi2" => Scheme::new(chan(LowBits::Two), tok(LowBits::Two)).kivi_preset(),
+            "kivi4" => Scheme::new(chan(LowBits::Four), tok(LowBits::Four)).kivi(),
+            "kivi2" => Scheme::new(chan(LowBits::Two), tok(LowBits::Two)).kivi(),
             "kv4" => Scheme::new(chan(LowBits::Four), tok_in(LowBits::Four, 64))
                 .frontier(StreamSet::None),
             "kv3" => Scheme::new(chan(LowBits::Four), tok_in(LowBits::Two, 64))
@@ -487,14 +487,6 @@ impl Scheme {
     const fn per_token_preset(mut self) -> Scheme {
         self.int_query = true;
         self.with_sinks()
-    }
-
-    /// `kivi4` and `kivi2`: KIVI's window and sinks, and keys scored from each page's folded
-    /// query rounded to int8 (`iq`), which adds under 10% to their KL on both evaluated models
-    /// and makes them faster (docs/accuracy.md, "Integer-query key scores"). Storage is KIVI's.
-    const fn kivi_preset(mut self) -> Scheme {
-        self.int_query = true;
-        self.kivi()
     }
 
     /// Whether a scheme derived from preset `p` scores keys from the int8 query unless told:
@@ -1093,8 +1085,8 @@ mod tests {
         // The explicit form takes no preset's options: KIVI's value window and the sub-8-bit
         // presets' sinks are the presets'.
         let explicit: Scheme = "k=q2_chan,v=q2_tok@32".parse().unwrap();
-        assert_eq!(explicit.to_string(), "kivi2,sinks=0,rv=0,iq=0");
-        let kivi: Scheme = "k=q2_chan,v=q2_tok@32,sinks=4,rv=128,iq".parse().unwrap();
+        assert_eq!(explicit.to_string(), "kivi2,sinks=0,rv=0");
+        let kivi: Scheme = "k=q2_chan,v=q2_tok@32,sinks=4,rv=128".parse().unwrap();
         assert_eq!(kivi.to_string(), "kivi2");
         assert_eq!(kivi, "kivi2".parse().unwrap());
         let q8: Scheme = "q8".parse().unwrap();
@@ -1102,7 +1094,7 @@ mod tests {
     }
 
     #[test]
-    fn low_bit_presets_score_keys_from_the_int8_query_where_it_applies() {
+    fn per_token_presets_score_keys_from_the_int8_query_where_it_applies() {
         let iq = |text: &str| text.parse::<Scheme>().unwrap().int_query;
         for text in [
             "q4_tok",
@@ -1110,9 +1102,8 @@ mod tests {
             "q4_tok,rot",
             "q2_tok,outliers=kv",
             "q4_tok,nuq=v",
-            "kivi4",
-            "kivi2,outliers",
-            "kivi4,rv=0",
+            "kivi4,iq",
+            "kivi2,outliers,iq",
         ] {
             assert!(iq(text), "{text}");
         }
@@ -1124,8 +1115,8 @@ mod tests {
             "k=q4_tok,v=q4_tok",
             "q8",
             "q8_0",
-            "kivi4,pre_rope",
-            "kivi2,nuq=k",
+            "kivi4",
+            "kivi2,outliers",
             "k=q4_chan,v=q4_tok",
             "kv4",
         ] {
