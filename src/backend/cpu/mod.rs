@@ -39,8 +39,11 @@ struct Partial {
     max: Vec<f32>,
     /// Running sum of `exp2(logit - max)`, per row.
     sum: Vec<f32>,
-    /// `rows × head_dim`.
+    /// `rows × head_dim`, in the value format's channel order until the item's end.
     acc: Vec<f32>,
+    /// `rows × head_dim` in natural order: the f16 value rows' share of `acc` when the value
+    /// format's order is another (empty until such a row is summed), added to `acc` at the end.
+    natural_acc: Vec<f32>,
 }
 
 /// The query rows of one (query, KV head): every query head of the GQA group at every chunk
