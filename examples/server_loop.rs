@@ -5,7 +5,7 @@
 //! cargo run --release --example server_loop -- [cpu|emu|hip] [STEPS] [SCHEME]
 //! ```
 //!
-//! SCHEME (default `kivi2,sinks=4`) must score keys exactly (`q4_tok,iq=0`, not `q4_tok`,
+//! SCHEME (default `kivi2`) must score keys exactly (`q4_tok,iq=0`, not `q4_tok`,
 //! whose default is `iq`): the reference below is the naive attention of the stored rows.
 //!
 //! 64 sequence slots, 2 layers. Requests arrive and finish at random; prompts of random length
@@ -533,7 +533,7 @@ fn main() {
     };
     let steps = arg(2).map_or(300, |s| s.parse().expect("STEPS is a count"));
     let scheme = arg(3)
-        .unwrap_or_else(|| "kivi2,sinks=4".into())
+        .unwrap_or_else(|| "kivi2".into())
         .parse()
         .unwrap_or_else(|e| panic!("SCHEME: {e}"));
     let setup = Setup {

@@ -19,7 +19,7 @@ fn a_continuous_batching_run_matches_the_reference_on_every_backend() {
         let setup = server_loop::Setup {
             backend,
             steps: 300,
-            scheme: "kivi2,sinks=4".parse().unwrap(),
+            scheme: "kivi2".parse().unwrap(),
             seed: 1,
         };
         let s = server_loop::run(&setup).unwrap_or_else(|why| panic!("{backend:?}: {why}"));
