@@ -180,10 +180,9 @@ struct WaveRows {
 // lane takes part), to int8 as `quant::quantize_query` does: the block's scale, set in every
 // lane, is max|x| / 127 (NaN when the block holds a NaN or an infinity); returns the code.
 HIPKV_DEV uint8_t round_query_lane(float x, float &scale) {
-    const float amax = wave_max(fabsf(x));
-    const bool finite = wave_max(fabsf(x) <= __FLT_MAX__ ? 0.0f : 1.0f) == 0.0f;
-    scale = finite ? amax / Int8Codes::kMaxCode : __builtin_nanf("");
-    return Int8Codes::encode(x, scale);
+    const QueryScale block(group_max_u32<HIPKV_WAVE>(float_bits(x) & 0x7fffffffu));
+    scale = block.s;
+    return (uint8_t)block.code(x);
 }
 
 // Where `fold_chan_query` leaves a block's folded query rounded to int8 (`iq` of per-channel
@@ -687,17 +686,71 @@ HIPKV_DEV StreamView block_stream(const uint8_t *block, const hipkv_stream_layou
     return s;
 }
 
+// `fold_chan_query` (below) with `iq`: the folded rows `q ∘ s` rounded to int8 per HIPKV_QUERY_BLOCK
+// channels (`quant::quantize_query`), all rows at once. Lane l rounds one word of four codes
+// of one row (slots 4w..4w+3 in `int_query_slot` order, channels c0 + per·k), so a block is 8
+// neighbouring lanes: its maximum takes 3 exchanges, each lane divides twice per block (the
+// scale and its reciprocal) rather than once per element, and writes its codes in one store.
+template <int F, int D>
+HIPKV_DEV void fold_chan_query_int(const hipkv_attn_params &p, const WaveRows<D> &w,
+                                   const uint8_t *params) {
+    constexpr uint32_t kWords = D / 4;  // words of codes per row
+    constexpr uint32_t kRowLanes = kWords < HIPKV_WAVE ? kWords : HIPKV_WAVE;
+    constexpr uint32_t kRowsPerTrip = HIPKV_WAVE / kRowLanes, kTripsPerRow = kWords / kRowLanes;
+    constexpr uint32_t kBlockWords = HIPKV_QUERY_BLOCK / 4;
+    constexpr uint32_t per = 8 / format_bits(F);  // codes per byte
+    static_assert(kRows<D> % kRowsPerTrip == 0, "whole rows per trip");
+    float *fold_bias = p.partial_max + w.out;
+    const uint32_t lane = lane_id();
+    wave_sync();  // every lane has scored the previous block with the previous fold
+    HIPKV_ROLLED
+    for (uint32_t first = 0; first < (uint32_t)kRows<D>; first += kRowsPerTrip) {
+        const uint32_t r = first + lane / kRowLanes;
+        const bool live = r < w.n;
+        float bias = 0.0f;
+        HIPKV_ROLLED
+        for (uint32_t trip = 0; trip < kTripsPerRow; ++trip) {
+            const uint32_t word = trip * kRowLanes + lane % kRowLanes;
+            const uint32_t c0 = 4 * per * (word / per) + word % per;
+            float x[4];
+            uint32_t magnitude = 0;
+            for (uint32_t k = 0; k < 4; ++k) {
+                const uint32_t c = c0 + per * k;
+                const float scale = load_f16(params + 4 * c), min = load_f16(params + 4 * c + 2);
+                const float q = live ? read_global(w.q + r * D + c) : 0.0f;
+                x[k] = q * scale;
+                bias += q * min;
+                const uint32_t m = float_bits(x[k]) & 0x7fffffffu;
+                magnitude = m > magnitude ? m : magnitude;
+            }
+            const QueryScale block(group_max_u32<kBlockWords>(magnitude));
+            uint32_t codes = 0;
+            for (uint32_t k = 0; k < 4; ++k) codes |= ((uint32_t)block.code(x[k]) & 0xffu) << (8 * k);
+            if (live) {
+                uint8_t *row_codes = chan_query_codes<D>(p, w) + r * kChanCodeStride<D>;
+                *reinterpret_cast<uint32_t *>(row_codes + 4 * word) = codes;
+                if (word % kBlockWords == 0)
+                    chan_query_scales<D>(p, w)[r * kChanScaleStride<D> + word / kBlockWords] = block.s;
+            }
+        }
+        bias = group_sum<kRowLanes>(bias);
+        if (live && lane % kRowLanes == 0) fold_bias[r] = bias;
+    }
+    fence_workgroup();
+    wave_sync();
+}
+
 // Per-channel keys, `x = m + s·code` per channel of the block: `q·x = (q ∘ s)·code + q·m`.
 // Folds the block's scales into the query rows and its minimums into one term per row, once
 // per block, so scoring decodes bare codes (no parameter loads or FMA per element). Written to
 // the wave's partial outputs (`WaveRows`), which every lane of the wave then reads: as f32
 // rows, or with `iq` rounded to int8 per HIPKV_QUERY_BLOCK channels (`chan_query_codes`), as
-// `quant::quantize_query` rounds them.
+// `quant::quantize_query` rounds them (`fold_chan_query_int`).
 template <int F, int D>
 HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
                                const uint8_t *params) {
+    if (uniform_u32(w.flags) & kIntQueryFlag) return fold_chan_query_int<F, D>(p, w, params);
     float *fold = p.partial_acc + w.out * D, *fold_bias = p.partial_max + w.out;
-    const bool rounded = uniform_u32(w.flags) & kIntQueryFlag;
     wave_sync();  // every lane has scored the previous block with the previous fold
     float bias[kRows<D>];
     for (int r = 0; r < kRows<D>; ++r) bias[r] = 0.0f;
@@ -707,19 +760,7 @@ HIPKV_DEV void fold_chan_query(const hipkv_attn_params &p, const WaveRows<D> &w,
         for (int r = 0; r < kRows<D>; ++r) {
             if ((uint32_t)r >= w.n) continue;
             const float q = read_global(w.q + r * D + c);
-            const float x = q * scale;
-            if (rounded) {
-                // The wave holds one block: channel c is block c / 32's lane c % 32.
-                float block_scale;
-                const uint8_t code = round_query_lane(x, block_scale);
-                chan_query_codes<D>(p, w)[r * kChanCodeStride<D> + int_query_slot(format_bits(F), c)] =
-                    code;
-                if (lane_id() == 0)
-                    chan_query_scales<D>(p, w)[r * kChanScaleStride<D> + c / HIPKV_QUERY_BLOCK] =
-                        block_scale;
-            } else {
-                fold[r * D + c] = x;
-            }
+            fold[r * D + c] = q * scale;
             bias[r] += q * min;
         }
     }

@@ -141,6 +141,33 @@ HIPKV_HD uint32_t int_query_slot(uint32_t bits, uint32_t c) {
     return c - i + (i % per) * 4 + i / per;
 }
 
+// How a HIPKV_QUERY_BLOCK block of the query is rounded to int8, as `quant::QueryScale` rounds
+// it, to the bit: `s = max|x| / 127` (NaN for a block with a NaN or an infinity), `p = 2^64`
+// where `s < 2^-64` (else 1) so that `inv = 1 / (s·p)` stays finite, and each code `(x·p)·inv`
+// rounded halves away from zero, 0 where `s` is 0 or NaN. Built from the largest of the
+// block's magnitudes as bit patterns, which NaN and ±inf exceed.
+struct QueryScale {
+    float s, p, inv;
+
+    HIPKV_HD explicit QueryScale(uint32_t magnitude_bits) {
+        s = magnitude_bits < 0x7f800000u ? bits_float(magnitude_bits) / 127.0f : __builtin_nanf("");
+        p = s < 0x1p-64f ? 0x1p64f : 1.0f;
+        inv = 1.0f / (s * p);
+    }
+
+    // `|(x·p)·inv| < 127.5`, so adding the largest float below ½ with the value's sign and
+    // truncating is the rounding, with no clamp (and no conversion of a NaN or an infinity:
+    // those come only with a scale that is not positive). Each product is rounded before the
+    // sum, as the reference rounds them: never fused.
+    HIPKV_HD int32_t code(float x) const {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+        const float y = s > 0.0f ? (x * p) * inv : 0.0f;
+        return (int32_t)(y + copysignf(0.49999997f, y));
+    }
+};
+
 // dot[r] = Σ q_r · k over one HIPKV_QUERY_BLOCK-channel block, exactly, for rows r < rows: the
 // key's B words of codes as stored (two's-complement bytes, or unsigned low-bit codes, which
 // are < 128 and so the same as signed bytes) against each row's 8 words of query codes in

@@ -121,6 +121,24 @@ HIPKV_HD float half_to_float(uint16_t h) {
 #endif
 }
 
+// An f32's bit pattern, and back (through a union, which every compiler here allows).
+HIPKV_HD uint32_t float_bits(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v;
+    v.f = f;
+    return v.u;
+}
+HIPKV_HD float bits_float(uint32_t u) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = u;
+    return v.f;
+}
+
 // bfloat16 bits to float (exact: bf16 is the upper half of an f32).
 HIPKV_HD float bf16_to_float(uint16_t h) {
     union {
@@ -247,6 +265,24 @@ HIPKV_DEV uint32_t uniform_u32(uint32_t x) {
 #else
     return x;
 #endif
+}
+
+// The maximum of `x` over each aligned group of W lanes, as unsigned integers (W a power of two
+// up to the wave; every lane takes part).
+template <int W>
+HIPKV_DEV uint32_t group_max_u32(uint32_t x) {
+    for (int m = W / 2; m > 0; m /= 2) {
+        const uint32_t y = float_bits(shfl_xor(bits_float(x), m));
+        x = x > y ? x : y;
+    }
+    return x;
+}
+
+// The sum of `x` over each aligned group of W lanes (W a power of two up to the wave).
+template <int W>
+HIPKV_DEV float group_sum(float x) {
+    for (int m = W / 2; m > 0; m /= 2) x += shfl_xor(x, m);
+    return x;
 }
 
 HIPKV_DEV float wave_max(float x) {

@@ -1495,23 +1495,23 @@ mod avx2 {
                 let m1 = _mm_max_epi32(m2, _mm_shuffle_epi32::<1>(m2));
                 let bits = _mm_cvtsi128_si32(m1) as u32;
                 if bits >= f32::INFINITY.to_bits() {
-                    // As `(x / NaN).round() as i8` gives: a NaN scale, zero codes.
+                    // As `QueryScale::code` gives: a NaN scale, zero codes.
                     return (f32::NAN, [0; 8]);
                 }
-                let scale = f32::from_bits(bits) / 127.0;
-                if scale == 0.0 {
-                    return (scale, [0; 8]);
+                let scale = crate::quant::QueryScale::new(f32::from_bits(bits));
+                if scale.s == 0.0 {
+                    return (scale.s, [0; 8]);
                 }
-                // `round` rounds halves away from zero: `x / s` plus the largest float below
-                // one half, with `x`'s sign, truncated, is that (a tie's sum rounds up to the
-                // next integer, anything less stays below it). `|x / s| < 127.5`, so no code
-                // needs the reference's clamp.
-                let s = _mm256_set1_ps(scale);
+                // `round` rounds halves away from zero: `(x·p)·inv` plus the largest float
+                // below one half, with `x`'s sign, truncated, is that (a tie's sum rounds up to
+                // the next integer, anything less stays below it). `|(x·p)·inv| < 127.5`, so no
+                // code needs the reference's clamp.
+                let (p, inv) = (_mm256_set1_ps(scale.p), _mm256_set1_ps(scale.inv));
                 let sign = _mm256_set1_ps(-0.0);
                 let below_half = _mm256_set1_ps(0.5 - f32::EPSILON / 4.0);
                 let mut codes = [_mm256_setzero_si256(); 4];
                 for (code, v) in codes.iter_mut().zip(x) {
-                    let y = _mm256_div_ps(v, s);
+                    let y = _mm256_mul_ps(_mm256_mul_ps(v, p), inv);
                     let half = _mm256_or_ps(_mm256_and_ps(y, sign), below_half);
                     *code = _mm256_cvttps_epi32(_mm256_add_ps(y, half));
                 }
@@ -1527,7 +1527,7 @@ mod avx2 {
                     dwords.as_mut_ptr().cast(),
                     _mm256_permutevar8x32_epi32(bytes, order),
                 );
-                (scale, dwords)
+                (scale.s, dwords)
             }
         }
 

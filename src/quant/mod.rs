@@ -99,11 +99,13 @@ pub const QUERY_BLOCK: usize = crate::abi::HIPKV_QUERY_BLOCK as usize;
 
 /// Rounds a query row to int8 per [`QUERY_BLOCK`] channels, as the `iq` attention does once per
 /// step: each block's scale is `s = max|x| / 127` in f32 (not rounded to f16: it never leaves
-/// the step) and its codes `round(x / s)`, so `|x − s·c| ≤ s/2 + |x|·2^-23` and every code lies in
-/// `[-127, 127]` (an all-zero block has `s = 0` and zero codes). A block holding a NaN or an
-/// infinity gets a NaN scale, so its scores come out NaN as the f32 path's would (`KvCache`
-/// refuses such queries first). Writes `x.len()` codes and `x.len() / 32` scales; `x` is a
-/// whole number of blocks (checked).
+/// the step) and its codes are `x` times the scale's reciprocal, rounded ([`QueryScale`]): one
+/// multiply per element, as llama.cpp's `quantize_row_q8_0` rounds, so that a GPU lane divides
+/// twice per block and not once per element. So `|x − s·c| ≤ s/2 + |x|·(2^-23 + 2^-46)` and
+/// every code lies in `[-127, 127]` (an all-zero block has `s = 0` and zero codes). A block
+/// holding a NaN or an infinity gets a NaN scale, so its scores come out NaN as the f32 path's
+/// would (`KvCache` refuses such queries first). Writes `x.len()` codes and `x.len() / 32`
+/// scales; `x` is a whole number of blocks (checked).
 pub fn quantize_query(x: &[f32], codes: &mut [i8], scales: &mut [f32]) {
     assert!(
         x.len().is_multiple_of(QUERY_BLOCK),
@@ -116,16 +118,53 @@ pub fn quantize_query(x: &[f32], codes: &mut [i8], scales: &mut [f32]) {
         .zip(scales.iter_mut())
     {
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        *s = if block.iter().all(|v| v.is_finite()) {
-            amax / 127.0
+        let scale = if block.iter().all(|v| v.is_finite()) {
+            QueryScale::new(amax)
         } else {
-            f32::NAN
+            QueryScale::new(f32::NAN)
         };
+        *s = scale.s;
         for (c, &v) in c.iter_mut().zip(block) {
-            *c = sym_code(v, *s);
+            *c = scale.code(v);
         }
     }
 }
+
+/// How [`quantize_query`] rounds one block, in the arithmetic every kernel repeats to the bit.
+#[derive(Clone, Copy, Debug)]
+pub struct QueryScale {
+    /// The block's scale, `max|x| / 127` (NaN for a block with a NaN or an infinity).
+    pub s: f32,
+    /// `2^64` where `s < 2^-64`, else 1: the block is scaled up by it, exactly, so that the
+    /// reciprocal below stays finite for the smallest scales.
+    pub p: f32,
+    /// `1 / (s·p)`.
+    pub inv: f32,
+}
+
+impl QueryScale {
+    /// The scale of a block whose largest magnitude is `amax` (NaN: a NaN scale).
+    #[inline(always)]
+    pub fn new(amax: f32) -> Self {
+        let s = amax / 127.0;
+        let p = if s < TINY_QUERY_SCALE { 1.0 / TINY_QUERY_SCALE } else { 1.0 };
+        QueryScale { s, p, inv: 1.0 / (s * p) }
+    }
+
+    /// The int8 code of `x`: `(x·p)·inv` rounded, halves away from zero; 0 where the scale is 0
+    /// or NaN.
+    #[inline(always)]
+    pub fn code(self, x: f32) -> i8 {
+        if self.s.is_nan() || self.s == 0.0 {
+            return 0;
+        }
+        ((x * self.p) * self.inv).round().clamp(-127.0, 127.0) as i8
+    }
+}
+
+/// `2^-64`: below it a query block's scale is scaled up by `2^64` before its reciprocal is taken
+/// (`QueryScale::p`), since `1/s` overflows f32 for `s < 2^-128`.
+pub const TINY_QUERY_SCALE: f32 = f32::from_bits(0x1f80_0000);
 
 /// Packs low-bit codes, element `j` at bit `bits * (j % codes_per_byte)` of byte
 /// `j / codes_per_byte` (low nibble first).

@@ -1034,8 +1034,8 @@ fn normalized_codes_are_the_stored_codes_before_rounding() {
 }
 
 /// Checks [`quantize_query`]'s stated bound on one row: codes in `[-127, 127]`, each block's
-/// scale `max|x| / 127`, and `|x − s·c| ≤ s/2 + |x|·2^-23` (the division's rounding can move a
-/// half-way decision by that much).
+/// scale `max|x| / 127`, and `|x − s·c| ≤ s/2 + |x|·(2^-23 + 2^-46)` (the reciprocal's and the
+/// product's roundings can move a half-way decision by that much together).
 fn check_query(x: &[f32]) {
     let mut codes = vec![0i8; x.len()];
     let mut scales = vec![0f32; x.len() / QUERY_BLOCK];
@@ -1051,7 +1051,7 @@ fn check_query(x: &[f32]) {
             assert!((-127..=127).contains(&c));
             // In f64: `s·c` of the largest floats overflows f32.
             let err = (f64::from(v) - f64::from(s) * f64::from(c)).abs();
-            let bound = f64::from(s) / 2.0 + f64::from(v.abs()) * 2f64.powi(-23);
+            let bound = f64::from(s) / 2.0 + f64::from(v.abs()) * (2f64.powi(-23) + 2f64.powi(-46));
             assert!(err <= bound, "{v} -> {c} × {s}: error {err}");
         }
     }
@@ -1064,6 +1064,12 @@ fn query_blocks_of_zeros_constants_and_extremes() {
     check_query(&vec![-3.5; d]);
     check_query(&vec![f32::MAX; d]);
     check_query(&vec![f32::MIN_POSITIVE / 4.0; d]);
+    // Scales whose reciprocal overflows: these blocks divide (`query_code`).
+    check_query(
+        &(0..d)
+            .map(|i| f32::MIN_POSITIVE / 4.0 * (i as f32 - 20.0) / d as f32)
+            .collect::<Vec<_>>(),
+    );
     let mut one_hot = vec![0.0; d];
     one_hot[37] = -1e30;
     check_query(&one_hot);
