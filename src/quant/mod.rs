@@ -147,8 +147,16 @@ impl QueryScale {
     #[inline(always)]
     pub fn new(amax: f32) -> Self {
         let s = amax / 127.0;
-        let p = if s < TINY_QUERY_SCALE { 1.0 / TINY_QUERY_SCALE } else { 1.0 };
-        QueryScale { s, p, inv: 1.0 / (s * p) }
+        let p = if s < TINY_QUERY_SCALE {
+            1.0 / TINY_QUERY_SCALE
+        } else {
+            1.0
+        };
+        QueryScale {
+            s,
+            p,
+            inv: 1.0 / (s * p),
+        }
     }
 
     /// The int8 code of `x`: `(x·p)·inv` rounded, halves away from zero; 0 where the scale is 0
