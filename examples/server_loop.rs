@@ -5,8 +5,9 @@
 //! cargo run --release --example server_loop -- [cpu|emu|hip] [STEPS] [SCHEME]
 //! ```
 //!
-//! SCHEME (default `kivi2`) must score keys exactly (`q4_tok,iq=0`, not `q4_tok`,
-//! whose default is `iq`): the reference below is the naive attention of the stored rows.
+//! SCHEME (default `kivi2,iq=0`) must score keys exactly (`iq=0` where `iq` is the default,
+//! as for `q4_tok`, `q2_tok`, `kivi4` and `kivi2`): the reference below is the naive attention
+//! of the stored rows.
 //!
 //! 64 sequence slots, 2 layers. Requests arrive and finish at random; prompts of random length
 //! are prefilled in chunks beside other sequences' decodes, within a token budget per step;
@@ -533,7 +534,7 @@ fn main() {
     };
     let steps = arg(2).map_or(300, |s| s.parse().expect("STEPS is a count"));
     let scheme = arg(3)
-        .unwrap_or_else(|| "kivi2".into())
+        .unwrap_or_else(|| "kivi2,iq=0".into())
         .parse()
         .unwrap_or_else(|e| panic!("SCHEME: {e}"));
     let setup = Setup {
