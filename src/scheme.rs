@@ -789,7 +789,8 @@ impl FromStr for Scheme {
     /// `rv=N` (value window; the `kivi*` presets' default is 128, others' 0), `pre_rope`,
     /// `outliers` (keys) or `outliers=kv`, `outlier_frac=F`, `outlier_slots=N`, `rot` (keys and
     /// values), `rot=k` or `rot=v`, `nuq` (keys and values), `nuq=k` or `nuq=v`, `iq` or `iq=0`
-    /// (the `q4_tok` and `q2_tok` presets' default is `iq` where it applies, others' `iq=0`).
+    /// (the `q4_tok`, `q2_tok`, `kivi4` and `kivi2` presets' default is `iq` where it applies,
+    /// others' `iq=0`).
     fn from_str(s: &str) -> Result<Self> {
         let mut k = None;
         let mut v = None;

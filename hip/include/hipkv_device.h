@@ -85,6 +85,24 @@
 
 namespace hipkv {
 
+// An f32's bit pattern, and back (through a union, which every compiler here allows).
+HIPKV_HD uint32_t float_bits(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v;
+    v.f = f;
+    return v.u;
+}
+HIPKV_HD float bits_float(uint32_t u) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = u;
+    return v.f;
+}
+
 // IEEE binary16 bits to float, exact for every input (subnormals, infinities, NaN).
 HIPKV_HD float half_to_float(uint16_t h) {
 #if defined(__HIP_DEVICE_COMPILE__)
@@ -112,53 +130,19 @@ HIPKV_HD float half_to_float(uint16_t h) {
         }
         bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
     }
-    union {
-        uint32_t u;
-        float f;
-    } v;
-    v.u = bits;
-    return v.f;
+    return bits_float(bits);
 #endif
 }
 
-// An f32's bit pattern, and back (through a union, which every compiler here allows).
-HIPKV_HD uint32_t float_bits(float f) {
-    union {
-        float f;
-        uint32_t u;
-    } v;
-    v.f = f;
-    return v.u;
-}
-HIPKV_HD float bits_float(uint32_t u) {
-    union {
-        uint32_t u;
-        float f;
-    } v;
-    v.u = u;
-    return v.f;
-}
-
 // bfloat16 bits to float (exact: bf16 is the upper half of an f32).
-HIPKV_HD float bf16_to_float(uint16_t h) {
-    union {
-        uint32_t u;
-        float f;
-    } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
+HIPKV_HD float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
 
 // Float to bfloat16 bits, rounded to nearest with ties to even; NaN stays a quiet NaN.
 HIPKV_HD uint16_t float_to_bf16(float f) {
-    union {
-        float f;
-        uint32_t u;
-    } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    const uint32_t round = 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)((v.u + round) >> 16);
+    const uint32_t u = float_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    const uint32_t round = 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)((u + round) >> 16);
 }
 
 // `acc` plus the dot product of the four signed bytes of `a` with those of `b`, exact in 32 bits
@@ -195,13 +179,9 @@ HIPKV_HD uint16_t float_to_half(float f) {
 #elif defined(__CUDA_ARCH__)
     return __half_as_ushort(__float2half_rn(f));
 #else
-    union {
-        float f;
-        uint32_t u;
-    } v;
-    v.f = f;
-    const uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000u);
-    const uint32_t mag = v.u & 0x7fffffffu;
+    const uint32_t u = float_bits(f);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t mag = u & 0x7fffffffu;
     if (mag > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((mag >> 13) & 0x3ffu));
     // 65520 and above round to infinity (65504 is the largest finite half).
     if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);

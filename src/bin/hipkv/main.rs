@@ -434,9 +434,9 @@ fn info(args: &InfoArgs) -> Result<(), CliError> {
          query and of the output per step.\n\
          nuq (nuq=k, nuq=v): 4- and 2-bit codes decode through per-layer codebooks calibrated on\n\
          the model (128 bytes per layer).\n\
-         iq: q8, q8_0 and q*_tok keys scored against the query rounded to int8 per 32 channels,\n\
-         in integer dot products (v_dot4 on gfx1201); no bytes. On in q4_tok and q2_tok (iq=0:\n\
-         exact f32 scores).\n\
+         iq: q8, q8_0, q*_tok and q*_chan keys scored against the query rounded to int8 per 32\n\
+         channels, in integer dot products (v_dot4 on gfx1201); no bytes. On in q4_tok, q2_tok,\n\
+         kivi4 and kivi2 (iq=0: exact f32 scores).\n\
          f16/seq: bytes a sequence holds f16 per KV head beside its pages: its sinks (sinks=; 4\n\
          tokens in the sub-8-bit presets), the residual page of q*_chan keys (one page) and the\n\
          value window (rv=; kivi*, kv*: the last 128 tokens' values, in 128 rows + one page).\n\
