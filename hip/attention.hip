@@ -688,7 +688,7 @@ HIPKV_DEV StreamView block_stream(const uint8_t *block, const hipkv_stream_layou
 
 // `fold_chan_query` (below) with `iq`: the folded rows `q ∘ s` rounded to int8 per HIPKV_QUERY_BLOCK
 // channels (`quant::quantize_query`), all rows at once. Lane l rounds one word of four codes
-// of one row (slots 4w..4w+3 in `int_query_slot` order, channels c0 + per·k), so a block is 8
+// of one row (slots 4w..4w+3, channels `int_query_word_channel(bits, w, k)`), so a block is 8
 // neighbouring lanes: its maximum takes 3 exchanges, each lane divides twice per block (the
 // scale and its reciprocal) rather than once per element, and writes its codes in one store.
 template <int F, int D>
@@ -698,7 +698,6 @@ HIPKV_DEV void fold_chan_query_int(const hipkv_attn_params &p, const WaveRows<D>
     constexpr uint32_t kRowLanes = kWords < HIPKV_WAVE ? kWords : HIPKV_WAVE;
     constexpr uint32_t kRowsPerTrip = HIPKV_WAVE / kRowLanes, kTripsPerRow = kWords / kRowLanes;
     constexpr uint32_t kBlockWords = HIPKV_QUERY_BLOCK / 4;
-    constexpr uint32_t per = 8 / format_bits(F);  // codes per byte
     static_assert(kRows<D> % kRowsPerTrip == 0, "whole rows per trip");
     float *fold_bias = p.partial_max + w.out;
     const uint32_t lane = lane_id();
@@ -711,11 +710,10 @@ HIPKV_DEV void fold_chan_query_int(const hipkv_attn_params &p, const WaveRows<D>
         HIPKV_ROLLED
         for (uint32_t trip = 0; trip < kTripsPerRow; ++trip) {
             const uint32_t word = trip * kRowLanes + lane % kRowLanes;
-            const uint32_t c0 = 4 * per * (word / per) + word % per;
             float x[4];
             uint32_t magnitude = 0;
             for (uint32_t k = 0; k < 4; ++k) {
-                const uint32_t c = c0 + per * k;
+                const uint32_t c = int_query_word_channel(format_bits(F), word, k);
                 const float scale = load_f16(params + 4 * c), min = load_f16(params + 4 * c + 2);
                 const float q = live ? read_global(w.q + r * D + c) : 0.0f;
                 x[k] = q * scale;

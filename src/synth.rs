@@ -133,3 +133,65 @@ impl TokenPool {
         Ok(())
     }
 }
+
+/// Query blocks of [`crate::quant::QUERY_BLOCK`] values that test how a query is rounded to int8
+/// (`quant::quantize_query`): exact halves and the floats beside them (a largest magnitude of
+/// 127 makes the scale 1), every half-integer below 127 with 3 floats on either side, zeros of
+/// both signs, a constant block, a NaN and infinities, the largest finite values, subnormals,
+/// largest magnitudes on either side of the scale's `2^-64` switch
+/// ([`crate::quant::TINY_QUERY_SCALE`]) and 2000 random blocks spread over 24 decades.
+pub fn query_rounding_blocks() -> Vec<[f32; 32]> {
+    let mut blocks: Vec<[f32; 32]> = Vec::new();
+    let mut halves = [0f32; 32];
+    halves[0] = 127.0;
+    for (i, x) in halves.iter_mut().enumerate().skip(1) {
+        let h = (i as f32 - 16.0) * 4.0 + 0.5;
+        *x = match i % 3 {
+            0 => h,
+            1 => f32::from_bits(h.to_bits() - 1),
+            _ => f32::from_bits(h.to_bits() + 1),
+        };
+    }
+    blocks.push(halves);
+    blocks.push(halves.map(|x| -x));
+    let near_halves: Vec<f32> = (0..127)
+        .flat_map(|k| {
+            let h = (k as f32 + 0.5).to_bits();
+            (h - 3..=h + 3).map(f32::from_bits)
+        })
+        .flat_map(|x| [x, -x])
+        .collect();
+    for chunk in near_halves.chunks(31) {
+        let mut b = [127.0; 32];
+        b[1..=chunk.len()].copy_from_slice(chunk);
+        blocks.push(b);
+    }
+    blocks.push([0.0; 32]);
+    blocks.push(std::array::from_fn(|i| if i % 2 == 0 { -0.0 } else { 0.0 }));
+    blocks.push([3.25; 32]);
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut b = halves;
+        b[7] = bad;
+        blocks.push(b);
+    }
+    blocks.push(std::array::from_fn(|i| {
+        if i % 2 == 0 {
+            f32::MAX
+        } else {
+            -f32::MAX / 3.0
+        }
+    }));
+    blocks.push(std::array::from_fn(|i| f32::from_bits(1 + i as u32 * 977)));
+    let mut rng = Rng::new(0x2545_f491);
+    let switch = (127.0 * crate::quant::TINY_QUERY_SCALE).to_bits();
+    for amax in (switch - 4..=switch + 4).map(f32::from_bits) {
+        let mut b: [f32; 32] = std::array::from_fn(|_| (2.0 * rng.uniform() - 1.0) * amax);
+        b[rng.below(32)] = if rng.below(2) == 0 { amax } else { -amax };
+        blocks.push(b);
+    }
+    for _ in 0..2000 {
+        let spread = 10f32.powf((rng.uniform() - 0.5) * 24.0);
+        blocks.push(std::array::from_fn(|_| (rng.uniform() - 0.5) * spread));
+    }
+    blocks
+}

@@ -37,6 +37,9 @@ unsafe extern "C" {
     fn hipkv_ffi_hadamard_scale_f64(head_dim: u32) -> f64;
     fn hipkv_ffi_int_query_applies(format: i32) -> bool;
     fn hipkv_ffi_int_query_dot(bits: u32, key: *const u8, query: *const i8) -> i32;
+    fn hipkv_ffi_int_query_slot(bits: u32, c: u32) -> u32;
+    fn hipkv_ffi_int_query_word_channel(bits: u32, word: u32, k: u32) -> u32;
+    fn hipkv_ffi_round_query_block(x: *const f32, codes: *mut i8, scale: *mut f32);
 }
 
 #[test]
@@ -467,5 +470,65 @@ fn integer_query_dots_are_exact_in_the_kernels_order() {
             let got = unsafe { hipkv_ffi_int_query_dot(bits as u32, key.as_ptr(), query.as_ptr()) };
             assert_eq!(got, want, "{bits}-bit key {key:?} query {query:?}");
         }
+    }
+}
+
+/// The kernels place a query's int8 codes (`int_query_slot`) and fold per-channel keys a word at
+/// a time (`int_query_word_channel`) by two maps that are each other's inverse, and 8-bit keys
+/// keep the channel order.
+#[test]
+fn query_slots_and_word_channels_are_inverse() {
+    for bits in [8u32, 4, 2] {
+        let mut seen = [false; 256];
+        for c in 0..256u32 {
+            // SAFETY: pure functions of their arguments.
+            let slot = unsafe { hipkv_ffi_int_query_slot(bits, c) };
+            assert!(
+                slot < 256 && !seen[slot as usize],
+                "{bits} bits: channel {c}"
+            );
+            seen[slot as usize] = true;
+            assert_eq!(
+                slot / 32,
+                c / 32,
+                "{bits} bits: channel {c} leaves its block"
+            );
+            // SAFETY: as above.
+            let back = unsafe { hipkv_ffi_int_query_word_channel(bits, slot / 4, slot % 4) };
+            assert_eq!(back, c, "{bits} bits: slot {slot}");
+            if bits == 8 {
+                assert_eq!(slot, c);
+            }
+        }
+    }
+}
+
+/// The kernels round a query block (formats.h `QueryScale`, from the largest magnitude's bit
+/// pattern) to the same codes and scale as `quant::quantize_query`, to the bit: halves, NaN,
+/// infinities, subnormals and scales on either side of the `2^-64` switch.
+#[test]
+fn query_rounding_agrees_bit_for_bit() {
+    let blocks = hipkv::synth::query_rounding_blocks();
+    let tiny = blocks
+        .iter()
+        .filter(|b| {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            amax > 0.0 && amax / 127.0 < quant::TINY_QUERY_SCALE
+        })
+        .count();
+    assert!(tiny >= 5, "the 2^64 branch is exercised ({tiny} blocks)");
+    for (i, block) in blocks.iter().enumerate() {
+        let (mut want, mut want_scale) = ([0i8; 32], [0f32]);
+        quant::quantize_query(block, &mut want, &mut want_scale);
+        let (mut got, mut got_scale) = ([0i8; 32], 0f32);
+        // SAFETY: `block` holds 32 floats, `got` room for 32 codes.
+        unsafe { hipkv_ffi_round_query_block(block.as_ptr(), got.as_mut_ptr(), &mut got_scale) };
+        let same_scale = got_scale.to_bits() == want_scale[0].to_bits()
+            || (got_scale.is_nan() && want_scale[0].is_nan());
+        assert!(
+            same_scale && got == want,
+            "block {i} {block:?}: {got:?} × {got_scale} vs {want:?} × {}",
+            want_scale[0]
+        );
     }
 }

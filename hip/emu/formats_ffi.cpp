@@ -80,6 +80,27 @@ extern "C" void hipkv_ffi_hadamard(float *x, uint32_t d) {
 // Whether integer-query scores (`iq`) apply to keys stored in `format`.
 extern "C" bool hipkv_ffi_int_query_applies(int format) { return hipkv::format_int_query(format); }
 
+// Where channel c's query code goes (`int_query_slot`), and which channel slot 4·word + k holds.
+extern "C" uint32_t hipkv_ffi_int_query_slot(uint32_t bits, uint32_t c) {
+    return hipkv::int_query_slot(bits, c);
+}
+extern "C" uint32_t hipkv_ffi_int_query_word_channel(uint32_t bits, uint32_t word, uint32_t k) {
+    return hipkv::int_query_word_channel(bits, word, k);
+}
+
+// One HIPKV_QUERY_BLOCK block of the query rounded as the kernels round it (`QueryScale`, from
+// the largest magnitude's bit pattern): its codes in channel order and its scale.
+extern "C" void hipkv_ffi_round_query_block(const float *x, int8_t *codes, float *scale) {
+    uint32_t magnitude = 0;
+    for (uint32_t c = 0; c < HIPKV_QUERY_BLOCK; ++c) {
+        const uint32_t m = hipkv::float_bits(x[c]) & 0x7fffffffu;
+        magnitude = m > magnitude ? m : magnitude;
+    }
+    const hipkv::QueryScale block(magnitude);
+    for (uint32_t c = 0; c < HIPKV_QUERY_BLOCK; ++c) codes[c] = (int8_t)block.code(x[c]);
+    *scale = block.s;
+}
+
 // One HIPKV_QUERY_BLOCK block's integer-query dot product as the attention kernels compute it:
 // `key` the block's codes as stored (bits · 4 bytes; q8_0's after its scale), `query` its 32
 // int8 codes in channel order, placed at their `int_query_slot` as hipkv_attn_prep places them.

@@ -141,6 +141,13 @@ HIPKV_HD uint32_t int_query_slot(uint32_t bits, uint32_t c) {
     return c - i + (i % per) * 4 + i / per;
 }
 
+// The channel whose code sits at slot 4·word + k of a query row (`int_query_slot`'s inverse):
+// a key word's channels are word%P + {0, P, 2P, 3P} of its block of 4P.
+HIPKV_HD uint32_t int_query_word_channel(uint32_t bits, uint32_t word, uint32_t k) {
+    const uint32_t per = 8 / bits;
+    return 4 * per * (word / per) + word % per + per * k;
+}
+
 // How a HIPKV_QUERY_BLOCK block of the query is rounded to int8, as `quant::QueryScale` rounds
 // it, to the bit: `s = max|x| / 127` (NaN for a block with a NaN or an infinity), `p = 2^64`
 // where `s < 2^-64` (else 1) so that `inv = 1 / (s·p)` stays finite, and each code `(x·p)·inv`

@@ -265,15 +265,15 @@ HIPKV_DEV float group_sum(float x) {
     return x;
 }
 
-HIPKV_DEV float wave_max(float x) {
-    for (int m = HIPKV_WAVE / 2; m > 0; m /= 2) x = fmaxf(x, shfl_xor(x, m));
+// The maximum of `x` over each aligned group of W lanes (W a power of two up to the wave).
+template <int W>
+HIPKV_DEV float group_max(float x) {
+    for (int m = W / 2; m > 0; m /= 2) x = fmaxf(x, shfl_xor(x, m));
     return x;
 }
 
-HIPKV_DEV float wave_sum(float x) {
-    for (int m = HIPKV_WAVE / 2; m > 0; m /= 2) x += shfl_xor(x, m);
-    return x;
-}
+HIPKV_DEV float wave_max(float x) { return group_max<HIPKV_WAVE>(x); }
+HIPKV_DEV float wave_sum(float x) { return group_sum<HIPKV_WAVE>(x); }
 
 // 2^x; exact enough for softmax weights (1 ulp on the GPU's v_exp_f32).
 HIPKV_DEV float exp2(float x) {

@@ -2187,63 +2187,7 @@ mod tests {
 
     #[test]
     fn every_tier_rounds_a_query_block_as_the_reference() {
-        // Exact halves (a largest magnitude of 127 makes the scale 1), values a float below
-        // and above them, zeros of both signs, a constant block, a NaN, infinities, the
-        // largest finite values, subnormals and spread magnitudes.
-        let mut blocks: Vec<[f32; 32]> = Vec::new();
-        let mut halves = [0f32; 32];
-        halves[0] = 127.0;
-        for (i, x) in halves.iter_mut().enumerate().skip(1) {
-            let h = (i as f32 - 16.0) * 4.0 + 0.5;
-            *x = match i % 3 {
-                0 => h,
-                1 => f32::from_bits(h.to_bits() - 1),
-                _ => f32::from_bits(h.to_bits() + 1),
-            };
-        }
-        blocks.push(halves);
-        blocks.push(halves.map(|x| -x));
-        // Every half-integer below 127 and the 3 floats on either side of it, both signs,
-        // beside a 127 that makes the scale 1.
-        let near_halves: Vec<f32> = (0..127)
-            .flat_map(|k| {
-                let h = (k as f32 + 0.5).to_bits();
-                (h - 3..=h + 3).map(f32::from_bits)
-            })
-            .flat_map(|x| [x, -x])
-            .collect();
-        for chunk in near_halves.chunks(31) {
-            let mut b = [127.0; 32];
-            b[1..=chunk.len()].copy_from_slice(chunk);
-            blocks.push(b);
-        }
-        blocks.push([0.0; 32]);
-        blocks.push(std::array::from_fn(|i| if i % 2 == 0 { -0.0 } else { 0.0 }));
-        blocks.push([3.25; 32]);
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let mut b = halves;
-            b[7] = bad;
-            blocks.push(b);
-        }
-        blocks.push(std::array::from_fn(|i| {
-            if i % 2 == 0 {
-                f32::MAX
-            } else {
-                -f32::MAX / 3.0
-            }
-        }));
-        blocks.push(std::array::from_fn(|i| f32::from_bits(1 + i as u32 * 977)));
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..2000 {
-            let mut next = || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            };
-            let spread = 10f32.powf(next() * 12.0);
-            blocks.push(std::array::from_fn(|_| next() * spread));
-        }
+        let blocks = crate::synth::query_rounding_blocks();
         let want: Vec<(f32, [i32; 8])> = blocks
             .iter()
             .map(|block| {
