@@ -180,7 +180,7 @@ struct WaveRows {
 // lane takes part), to int8 as `quant::quantize_query` does: the block's scale, set in every
 // lane, is max|x| / 127 (NaN when the block holds a NaN or an infinity); returns the code.
 HIPKV_DEV uint8_t round_query_lane(float x, float &scale) {
-    const QueryScale block(group_max_u32<HIPKV_WAVE>(float_bits(x) & 0x7fffffffu));
+    const QueryScale block(group_max_u32<HIPKV_WAVE>(QueryScale::magnitude(x)));
     scale = block.s;
     return (uint8_t)block.code(x);
 }
@@ -718,7 +718,7 @@ HIPKV_DEV void fold_chan_query_int(const hipkv_attn_params &p, const WaveRows<D>
                 const float q = live ? read_global(w.q + r * D + c) : 0.0f;
                 x[k] = q * scale;
                 bias += q * min;
-                const uint32_t m = float_bits(x[k]) & 0x7fffffffu;
+                const uint32_t m = QueryScale::magnitude(x[k]);
                 magnitude = m > magnitude ? m : magnitude;
             }
             const QueryScale block(group_max_u32<kBlockWords>(magnitude));

@@ -93,7 +93,7 @@ extern "C" uint32_t hipkv_ffi_int_query_word_channel(uint32_t bits, uint32_t wor
 extern "C" void hipkv_ffi_round_query_block(const float *x, int8_t *codes, float *scale) {
     uint32_t magnitude = 0;
     for (uint32_t c = 0; c < HIPKV_QUERY_BLOCK; ++c) {
-        const uint32_t m = hipkv::float_bits(x[c]) & 0x7fffffffu;
+        const uint32_t m = hipkv::QueryScale::magnitude(x[c]);
         magnitude = m > magnitude ? m : magnitude;
     }
     const hipkv::QueryScale block(magnitude);

@@ -156,6 +156,10 @@ HIPKV_HD uint32_t int_query_word_channel(uint32_t bits, uint32_t word, uint32_t 
 struct QueryScale {
     float s, p, inv;
 
+    // What the constructor takes the largest of: `|x|` as a bit pattern, which orders finite
+    // magnitudes as their values and puts every NaN and infinity above them.
+    HIPKV_HD static uint32_t magnitude(float x) { return float_bits(x) & 0x7fffffffu; }
+
     HIPKV_HD explicit QueryScale(uint32_t magnitude_bits) {
         s = magnitude_bits < 0x7f800000u ? bits_float(magnitude_bits) / 127.0f : __builtin_nanf("");
         p = s < 0x1p-64f ? 0x1p64f : 1.0f;
