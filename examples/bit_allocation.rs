@@ -98,6 +98,11 @@ struct Args {
     /// `;`.
     #[arg(long, default_value = "1,2,3,4,5,6,7,8")]
     value_widths: String,
+    /// Runs every run again with its values aligned (the `aligned` basis applied to the real
+    /// value format of `--values`, which must rotate its values: its value window included),
+    /// and adds a run with the keys of `--values` (f16).
+    #[arg(long)]
+    align: bool,
     /// `pca` bases divide each principal axis by its standard deviation to this power (and
     /// weigh its error by its energy to this power).
     #[arg(long, default_value_t = 1.0)]
@@ -362,6 +367,63 @@ fn symmetric_eigen(mut a: Vec<f64>, n: usize) -> (Vec<f64>, Vec<f64>) {
     ((0..n).map(|i| a[i * n + i]).collect(), v)
 }
 
+/// A Householder reflection `R = I − 2 w wᵀ` (`w` of unit length, or zero for `R = I`). Its own
+/// inverse.
+struct Reflection {
+    w: Vec<f64>,
+}
+
+impl Reflection {
+    /// The reflection that takes the principal axis of `rows` (the top eigenvector of their
+    /// second moment) to the first coordinate, which `H` spreads evenly over every channel.
+    fn principal(rows: &[&[f32]], d: usize) -> Reflection {
+        let (energy, u) = second_moment_axes(rows, d);
+        let top = (0..d)
+            .max_by(|&a, &b| energy[a].total_cmp(&energy[b]))
+            .unwrap_or(0);
+        let mut w: Vec<f64> = (0..d).map(|k| u[k * d + top]).collect();
+        w[0] -= 1.0;
+        let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+        for x in &mut w {
+            *x = if norm > 0.0 { *x / norm } else { 0.0 };
+        }
+        Reflection { w }
+    }
+
+    /// `R`, row-major.
+    fn matrix(&self) -> Vec<f64> {
+        let d = self.w.len();
+        (0..d * d)
+            .map(|i| f64::from(u8::from(i / d == i % d)) - 2.0 * self.w[i / d] * self.w[i % d])
+            .collect()
+    }
+
+    /// `x ← R x`.
+    fn apply(&self, x: &mut [f32]) {
+        let dot: f64 = self.w.iter().zip(&*x).map(|(w, &v)| w * f64::from(v)).sum();
+        for (v, w) in x.iter_mut().zip(&self.w) {
+            *v = (f64::from(*v) - 2.0 * w * dot) as f32;
+        }
+    }
+}
+
+/// The rows of KV head `h` in `v` (`n × kv_heads × d`, the first at position `first`) that are
+/// past the first `sinks` positions.
+fn head_rows<'v>(
+    v: &'v [f32],
+    cfg: &ModelConfig,
+    h: usize,
+    first: usize,
+    sinks: usize,
+) -> Vec<&'v [f32]> {
+    let (kvh, d) = (cfg.kv_heads, cfg.head_dim);
+    v.chunks_exact(kvh * d)
+        .enumerate()
+        .filter(|(t, _)| first + t >= sinks)
+        .map(|(_, row)| &row[h * d..(h + 1) * d])
+        .collect()
+}
+
 /// One KV head's simulated value basis: a row's coordinates `y = F v` are stored, coordinate `c`
 /// at `widths[c]` bits, and read back as `v = I y`.
 struct ValueBasis {
@@ -430,28 +492,9 @@ impl ValueBasis {
     /// share of `total` bits; with `mix`, the axes of each width are then mixed by a DCT, so a
     /// row's large coordinate on a weak axis is spread over its band instead of setting the
     /// row's range alone.
-    /// `hadamard`, its input first reflected so that the principal axis of `rows` becomes the
-    /// first coordinate, which `H` spreads evenly over every channel.
+    /// `hadamard`, its input first reflected by [`Reflection::principal`].
     fn aligned(rows: &[&[f32]], d: usize, bits: u32) -> ValueBasis {
-        let (energy, u) = second_moment_axes(rows, d);
-        let top = (0..d)
-            .max_by(|&a, &b| energy[a].total_cmp(&energy[b]))
-            .unwrap_or(0);
-        // Householder: `R = I − 2 w wᵀ`, `w ∝ u_top − e_0`, takes `u_top` to `e_0`.
-        let mut w: Vec<f64> = (0..d).map(|k| u[k * d + top]).collect();
-        w[0] -= 1.0;
-        let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
-        let reflect: Vec<f64> = (0..d * d)
-            .map(|i| {
-                let (r, c) = (i / d, i % d);
-                let outer = if norm > 0.0 {
-                    2.0 * w[r] * w[c] / (norm * norm)
-                } else {
-                    0.0
-                };
-                f64::from(u8::from(r == c)) - outer
-            })
-            .collect();
+        let reflect = Reflection::principal(rows, d).matrix();
         let h = ValueBasis::hadamard(d, bits);
         ValueBasis {
             forward: matmul(&h.forward, &reflect, d),
@@ -582,19 +625,14 @@ impl SimulatedValues {
         (0..kvh)
             .map(|h| match self.basis {
                 Basis::Hadamard => ValueBasis::hadamard(d, self.bits as u32),
-                Basis::Pca | Basis::PcaMixed | Basis::Aligned => {
-                    let rows: Vec<&[f32]> = v
-                        .chunks_exact(kvh * d)
-                        .enumerate()
-                        .filter(|(t, _)| first + t >= self.sinks)
-                        .map(|(_, row)| &row[h * d..(h + 1) * d])
-                        .collect();
+                Basis::Aligned => {
+                    let rows = head_rows(v, &self.cfg, h, first, self.sinks);
+                    ValueBasis::aligned(&rows, d, self.bits as u32)
+                }
+                Basis::Pca | Basis::PcaMixed => {
+                    let rows = head_rows(v, &self.cfg, h, first, self.sinks);
                     let mix = self.basis == Basis::PcaMixed;
-                    if self.basis == Basis::Aligned {
-                        ValueBasis::aligned(&rows, d, self.bits as u32)
-                    } else {
-                        ValueBasis::principal(&rows, d, total, &self.widths, mix, self.norm)
-                    }
+                    ValueBasis::principal(&rows, d, total, &self.widths, mix, self.norm)
                 }
             })
             .collect()
@@ -628,6 +666,53 @@ impl Attention for SimulatedValues {
         self.inner.attend(layer, q, k, &values, out)
     }
 }
+
+/// An attention whose values are reflected per KV head by [`Reflection::principal`] before a
+/// `rot=v` scheme stores them, and whose output is reflected back: the `aligned` basis in the
+/// scheme's own format, value window included.
+struct AlignedValues {
+    inner: Box<dyn Attention>,
+    cfg: ModelConfig,
+    sinks: usize,
+    /// Per layer: each KV head's reflection, once calibrated.
+    reflections: Vec<Option<Vec<Reflection>>>,
+    /// Per layer: positions appended.
+    len: Vec<usize>,
+}
+
+impl Attention for AlignedValues {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EvalError> {
+        let (kvh, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let first = self.len[layer];
+        if self.reflections[layer].is_none() {
+            let fit = |h| Reflection::principal(&head_rows(v, &self.cfg, h, first, self.sinks), d);
+            self.reflections[layer] = Some((0..kvh).map(fit).collect());
+        }
+        let reflections = self.reflections[layer].as_deref().unwrap_or_default();
+        let mut values = v.to_vec();
+        for (head, r) in values.chunks_exact_mut(d).zip(reflections.iter().cycle()) {
+            r.apply(head);
+        }
+        self.inner.attend(layer, q, k, &values, out)?;
+        // Each query head's output back through its KV head's reflection.
+        let group = self.cfg.q_heads / kvh;
+        for (i, head) in out.chunks_exact_mut(d).enumerate() {
+            reflections[i % self.cfg.q_heads / group].apply(head);
+        }
+        self.len[layer] += v.len() / (kvh * d);
+        Ok(())
+    }
+}
+
+/// A run and the name it is printed under.
+type NamedRun = (String, Box<dyn Attention>);
 
 /// Width sets, `;`-separated lists of `,`-separated widths, each ascending, within 1..=16 and
 /// spanning `bits` (none for an empty `text`).
@@ -665,6 +750,11 @@ fn main() -> Result<(), Box<dyn Error>> {
         return Err("--values must have f16 keys and no pre_rope (the keys are simulated)".into());
     }
     let sets = width_sets(&args.widths, args.bits, "--widths")?;
+    if args.align && (args.value_bits.is_some() || !args.values.rotation.applies(Stream::V)) {
+        return Err(
+            "--align needs --values that rotate their values (rot=v), and no --value-bits".into(),
+        );
+    }
     if let Some(bits) = args.value_bits {
         if args.values.v != Format::F16 || args.values.rotation.applies(Stream::V) {
             return Err("--value-bits needs --values with f16 values, unrotated".into());
@@ -716,27 +806,52 @@ fn main() -> Result<(), Box<dyn Error>> {
     let mut runs: Vec<Box<dyn Attention>> = Vec::new();
     match args.value_bits {
         None => {
-            if let Some(real) = real_bits(args.bits) {
-                let scheme = Scheme {
-                    k: Format::Chan { bits: real },
-                    pre_rope: true,
-                    ..args.values
-                };
-                names.push(format!("{scheme} (the format)"));
-                runs.push(Box::new(CacheAttention::new(&cfg, scheme, args.tokens)?));
-            }
-            if args.bits.fract() == 0.0 {
-                names.push(format!("uniform {} bits, simulated", args.bits));
-                runs.push(Box::new(simulated(vec![args.bits as u32], Pool::Head)?));
-            }
-            for set in &sets {
-                for &pool in &args.pool {
-                    names.push(format!(
-                        "widths {} per {}, simulated",
-                        set_name(set),
-                        pool.name()
+            // The key variants, built again for each pass.
+            let key_runs = || -> Result<Vec<NamedRun>, EvalError> {
+                let mut keys: Vec<NamedRun> = Vec::new();
+                if args.align {
+                    let exact = CacheAttention::new(&cfg, args.values, args.tokens)?;
+                    keys.push((format!("{} (keys f16)", args.values), Box::new(exact)));
+                }
+                if let Some(real) = real_bits(args.bits) {
+                    let scheme = Scheme {
+                        k: Format::Chan { bits: real },
+                        pre_rope: true,
+                        ..args.values
+                    };
+                    let run = CacheAttention::new(&cfg, scheme, args.tokens)?;
+                    keys.push((format!("{scheme} (the format)"), Box::new(run)));
+                }
+                if args.bits.fract() == 0.0 {
+                    let run = simulated(vec![args.bits as u32], Pool::Head)?;
+                    keys.push((
+                        format!("uniform {} bits, simulated", args.bits),
+                        Box::new(run),
                     ));
-                    runs.push(Box::new(simulated(set.clone(), pool)?));
+                }
+                for set in &sets {
+                    for &pool in &args.pool {
+                        let name =
+                            format!("widths {} per {}, simulated", set_name(set), pool.name());
+                        keys.push((name, Box::new(simulated(set.clone(), pool)?)));
+                    }
+                }
+                Ok(keys)
+            };
+            for (name, run) in key_runs()? {
+                names.push(name);
+                runs.push(run);
+            }
+            if args.align {
+                for (name, inner) in key_runs()? {
+                    names.push(format!("{name}; values aligned"));
+                    runs.push(Box::new(AlignedValues {
+                        inner,
+                        cfg,
+                        sinks: args.values.sinks,
+                        reflections: (0..cfg.layers).map(|_| None).collect(),
+                        len: vec![0; cfg.layers],
+                    }));
                 }
             }
         }
@@ -1005,5 +1120,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_reflection_takes_the_principal_axis_to_the_first_coordinate_and_back() {
+        let d = 8;
+        // Rows along one direction, with a little of every other.
+        let axis: Vec<f32> = (0..d).map(|c| (c as f32 - 2.5) / 4.0).collect();
+        let rows: Vec<Vec<f32>> = (0..40)
+            .map(|t| {
+                let a = 3.0 + (t % 7) as f32;
+                axis.iter()
+                    .enumerate()
+                    .map(|(c, x)| a * x + 0.01 * ((t * 5 + c * 3) % 11) as f32)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+        let r = Reflection::principal(&refs, d);
+        let mut image = axis.clone();
+        r.apply(&mut image);
+        // The axis lands on ±e_0 (up to the rows' noise).
+        let length = axis.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((image[0].abs() - length).abs() < 1e-2 * length, "{image:?}");
+        assert!(
+            image[1..].iter().all(|x| x.abs() < 2e-2 * length),
+            "{image:?}"
+        );
+        // `apply` is the matrix, and the matrix is its own inverse.
+        let m = r.matrix();
+        let row = &rows[3];
+        let mut applied = row.clone();
+        r.apply(&mut applied);
+        for (i, got) in applied.iter().enumerate() {
+            let want: f64 = (0..d).map(|k| m[i * d + k] * f64::from(row[k])).sum();
+            assert!((f64::from(*got) - want).abs() < 1e-5);
+        }
+        r.apply(&mut applied);
+        assert!(applied.iter().zip(row).all(|(a, b)| (a - b).abs() < 1e-5));
     }
 }
